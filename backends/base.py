@@ -1,0 +1,172 @@
+"""The one interface every runtime is reached through.
+
+A backend turns a `GenerateRequest` into an async stream of `Delta` events that ends with
+exactly one `Finish` carrying usage. Closing the stream early (client gone, timeout) must
+release whatever the backend holds for the request. Failures are raised as `BackendError`
+subclasses so that the gateway can map them to HTTP statuses and fallback decisions.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """What to generate. Exactly one of `prompt`, `prompt_token_ids`, `messages` is set."""
+
+    request_id: str
+    model: str = ""
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None  # chat: the backend applies its template
+    max_tokens: int | None = None  # None: up to the model's context
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)  # runtime-specific, passed through untouched
+
+    def __post_init__(self) -> None:
+        given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
+        if sum(given) != 1:
+            raise InvalidRequest("exactly one of prompt, prompt_token_ids or messages must be given")
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New output of choice `index`. The last delta of a choice carries its finish reason."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...] = ()
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The one final event: every choice's finish reason and the request's usage."""
+
+    finish_reasons: tuple[str, ...]
+    usage: Usage
+
+
+Event = Delta | Finish
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    runtime: str
+    version: str
+    model: str
+    max_context: int
+    prefix_caching: bool
+    kv_dtype: str | None = None
+    structured_output: bool = False
+    tokenize: bool = False
+    chat: bool = True
+    features: frozenset[str] = frozenset()  # e.g. {"n", "seed", "stop", "logprobs"}
+
+
+class Health(enum.StrEnum):
+    READY = "ready"
+    LOADING = "loading"
+    DOWN = "down"
+
+
+@dataclass(frozen=True)
+class Load:
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0  # fraction of KV cache in use, 0..1
+    prefix_hit_rate: float | None = None  # hit tokens / queried tokens
+
+
+class BackendError(Exception):
+    """Base of the error taxonomy. `code` is stable and machine-readable."""
+
+    code = "upstream_error"
+    retryable = False  # may the same request succeed on another target?
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class ContextTooLong(BackendError):
+    code = "context_length_exceeded"
+
+
+class InvalidRequest(BackendError):
+    code = "invalid_request"
+
+
+class ModelNotFound(BackendError):
+    code = "model_not_found"
+
+
+class Overloaded(BackendError):
+    code = "overloaded"
+    retryable = True
+
+
+class Unavailable(BackendError):
+    code = "unavailable"
+    retryable = True
+
+
+class BackendTimeout(BackendError):
+    code = "timeout"
+    retryable = True
+
+
+class UpstreamError(BackendError):
+    code = "upstream_error"
+
+
+class Backend(abc.ABC):
+    """An LLM runtime behind servegate. Implementations must be safe to call concurrently."""
+
+    name: str
+
+    async def start(self) -> None:
+        """Connect or load. `health()` says LOADING until this is done."""
+
+    async def close(self) -> None:
+        """Release every resource; in-flight streams end with `Unavailable`."""
+
+    @abc.abstractmethod
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        """Stream deltas, then exactly one `Finish`. Raises `BackendError` subclasses."""
+
+    @abc.abstractmethod
+    async def capabilities(self) -> Capabilities: ...
+
+    @abc.abstractmethod
+    async def health(self) -> Health: ...
+
+    @abc.abstractmethod
+    async def load(self) -> Load: ...
+
+    async def tokenize(self, text: str) -> list[int]:
+        raise InvalidRequest(f"backend {self.name!r} does not offer tokenization")

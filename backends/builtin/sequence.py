@@ -1,0 +1,88 @@
+"""Request state inside the engine: token ids, progress, block table and sampling."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no cut
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generated continuation. `n > 1` requests fork into several after their prefill."""
+
+    token_ids: list[int]
+    params: SamplingParams
+    request_id: str = ""
+    index: int = 0  # choice index within the request
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
+    num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+        if self.generator is None and not self.params.greedy:
+            self.generator = torch.Generator()
+            if self.params.seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(self.params.seed + self.index)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def fork(self, index: int) -> Sequence:
+        """A sibling sharing everything computed so far; the caller shares the blocks."""
+        return Sequence(
+            list(self.token_ids), self.params, self.request_id, index, self.num_prompt_tokens,
+            self.num_computed_tokens, self.num_cached_tokens, status=self.status,
+            block_hashes=list(self.block_hashes), num_registered_blocks=self.num_registered_blocks,
+        )

@@ -1,0 +1,187 @@
+"""OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from backends.base import BackendError, Delta, Finish, GenerateRequest, InvalidRequest, Usage
+
+from ..deps import Principal, authenticate, get_router
+from ..errors import backend_error_body
+from ..generation import ClientDisconnected, collect, open_stream, resume
+from ..routing import ModelRouter
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+# Fields this layer consumes; everything else a client sends is passed to the backend as `extra`.
+SAMPLING_FIELDS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
+                   "stream", "stream_options", "stop", "seed", "stop_token_ids", "ignore_eos"}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = 0  # vLLM's extension; -1 and 0 both mean no cut
+    n: Annotated[int, Field(ge=1, le=16)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+    def generate_request(self, model: str, request_id: str, **prompt: Any) -> GenerateRequest:
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        extra = {k: v for k, v in (self.model_extra or {}).items() if k not in SAMPLING_FIELDS}
+        return GenerateRequest(
+            request_id=request_id, model=model, max_tokens=self.max_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), seed=self.seed,
+            stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
+            n=self.n, extra=extra, **prompt,
+        )
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for completions
+
+
+def usage_json(usage: Usage) -> dict:
+    return {
+        "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def sse(data: dict | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+class Responder:
+    """Builds one endpoint's response bodies: chat and text completions differ only in shape."""
+
+    def __init__(self, chat: bool, model: str, include_usage: bool) -> None:
+        self.chat, self.model, self.include_usage = chat, model, include_usage
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, choices: list[dict], chunk: bool) -> dict:
+        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def _choice(self, index: int, text: str | None, finish_reason: str | None, chunk: bool, role: bool = False) -> dict:
+        if not self.chat:
+            return {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+        if chunk:
+            delta = {"role": "assistant", "content": text or ""} if role else ({"content": text} if text else {})
+            return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason, "logprobs": None}
+
+    def full(self, texts: list[str], finish: Finish) -> dict:
+        choices = [self._choice(i, t, r, chunk=False) for i, (t, r) in enumerate(zip(texts, finish.finish_reasons))]
+        return self._envelope(choices, chunk=False) | {"usage": usage_json(finish.usage)}
+
+    def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False) -> bytes:
+        body = self._envelope([self._choice(index, text, finish_reason, chunk=True, role=role)], chunk=True)
+        if self.include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    async def stream(self, events: AsyncIterator, n: int) -> AsyncIterator[bytes]:
+        try:
+            if self.chat:
+                for i in range(n):
+                    yield self.chunk(i, "", None, role=True)
+            async for event in events:
+                if isinstance(event, Delta):
+                    if event.text or event.finish_reason:
+                        yield self.chunk(event.index, event.text, event.finish_reason)
+                elif isinstance(event, Finish) and self.include_usage:
+                    yield sse(self._envelope([], chunk=True) | {"usage": usage_json(event.usage)})
+        except BackendError as exc:  # mid-stream failure: an error event, never a silent clean end
+            yield sse(backend_error_body(exc))
+        yield sse("[DONE]")
+
+
+async def _respond(request: Request, body: SamplingRequest, model: str, backend, greq: GenerateRequest, chat: bool):
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    responder = Responder(chat, model, include_usage)
+    try:
+        first, events = await open_stream(backend, greq, request)
+        if body.stream:
+            return StreamingResponse(responder.stream(resume(first, events), body.n), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        result = await collect(first, events, request)
+    except ClientDisconnected:
+        return JSONResponse({}, status_code=499)  # nobody is listening
+    return JSONResponse(responder.full([result.text(i) for i in range(body.n)], result.finish))
+
+
+@router.post("/chat/completions")
+async def chat_completions(
+    request: Request, body: ChatCompletionRequest,
+    principal: Annotated[Principal, Depends(authenticate)], models: Annotated[ModelRouter, Depends(get_router)],
+):
+    model, backend = models.resolve(body.model)
+    if body.max_completion_tokens is not None:
+        body.max_tokens = body.max_completion_tokens
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    greq = body.generate_request(model, f"chatcmpl-{uuid.uuid4().hex}", messages=messages)
+    return await _respond(request, body, model, backend, greq, chat=True)
+
+
+@router.post("/completions")
+async def completions(
+    request: Request, body: CompletionRequest,
+    principal: Annotated[Principal, Depends(authenticate)], models: Annotated[ModelRouter, Depends(get_router)],
+):
+    model, backend = models.resolve(body.model)
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise InvalidRequest("batched prompts are not supported: send one prompt per request", param="prompt")
+        prompt = prompt[0]
+    if not prompt:
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    kind = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
+    greq = body.generate_request(model, f"cmpl-{uuid.uuid4().hex}", **kind)
+    return await _respond(request, body, model, backend, greq, chat=False)
+
+
+@router.get("/models")
+async def list_models(
+    principal: Annotated[Principal, Depends(authenticate)], models: Annotated[ModelRouter, Depends(get_router)],
+):
+    created = int(time.time())
+    return {"object": "list", "data": [
+        {"id": m, "object": "model", "created": created, "owned_by": "servegate"} for m in models.models()
+    ]}

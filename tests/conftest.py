@@ -1,0 +1,67 @@
+"""Shared fixtures: the default model loaded once, engines on it, and a block-leak check."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from backends.builtin.config import EngineConfig
+from backends.builtin.engine import LLMEngine
+from backends.builtin.loader import gguf_to_hf_dir, default_model_path, load_model
+
+_engines: list[LLMEngine] = []
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The default GGUF converted to a Hugging Face directory (the engine's own cache)."""
+    return gguf_to_hf_dir(default_model_path())
+
+
+@pytest.fixture
+def make_engine(default_model):
+    """Engines on the default model (weights shared); every test's engines must end leak-free."""
+
+    def make(loaded=None, **overrides) -> LLMEngine:
+        engine = LLMEngine(EngineConfig(**overrides), loaded or default_model)
+        _engines.append(engine)
+        return engine
+
+    yield make
+    while _engines:
+        assert_no_leaks(_engines.pop())
+
+
+def assert_no_leaks(engine: LLMEngine) -> None:
+    kv = engine.kv
+    assert not engine.has_work, "requests left in the engine"
+    assert kv.num_free == kv.num_blocks, f"{kv.num_used} KV blocks leaked"
+    assert all(b.ref_count == 0 for b in kv.blocks)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, default_model_dir):
+    """A 2-layer random Llama in float64 with the default model's tokenizer: fast, and with
+    float64 numerics equal runs give equal tokens, which property tests rely on."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        rope_theta=10000.0, tie_word_embeddings=True, initializer_range=0.5, eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config).to(torch.float64)
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(directory)
+    assert json.loads((directory / "config.json").read_text())["model_type"] == "llama"
+    return load_model(directory)

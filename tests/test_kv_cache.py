@@ -1,0 +1,98 @@
+"""Block pool bookkeeping, without a model."""
+
+from backends.builtin.kv_cache import KVCacheManager
+from backends.builtin.sequence import SamplingParams, Sequence
+
+
+def seq(tokens: list[int]) -> Sequence:
+    return Sequence(list(tokens), SamplingParams(temperature=0.0))
+
+
+def test_200_tokens_hold_13_blocks_and_free_returns_all():
+    kv = KVCacheManager(num_blocks=64, block_size=16)
+    s = seq(range(200))
+    assert kv.allocate(s, 200, kv.match_prefix(s))
+    assert len(s.block_table) == 13 and kv.num_used == 13
+    kv.free(s)
+    assert kv.num_free == 64 and all(b.ref_count == 0 for b in kv.blocks)
+
+
+def test_allocation_is_all_or_nothing():
+    kv = KVCacheManager(num_blocks=4, block_size=16)
+    s = seq(range(100))  # needs 7 blocks
+    assert not kv.allocate(s, 100, kv.match_prefix(s))
+    assert kv.num_free == 4 and s.block_table == [] and s.num_computed_tokens == 0
+
+
+def test_prefix_hit_reuses_full_blocks_and_leaves_last_token():
+    kv = KVCacheManager(num_blocks=32, block_size=16)
+    a = seq(range(64))
+    kv.allocate(a, 64, kv.match_prefix(a))
+    a.num_computed_tokens = 64
+    kv.cache_full_blocks(a)
+    assert kv.num_cached == 4
+    b = seq(list(range(64)) + [999] * 10)
+    hits = kv.match_prefix(b)
+    assert hits == a.block_table  # all four full blocks
+    same = seq(range(64))
+    assert kv.match_prefix(same) == a.block_table[:3]  # the last token is always computed
+    assert kv.allocate(b, 10, hits)
+    assert b.num_computed_tokens == 64 and b.num_cached_tokens == 64
+    assert kv.blocks[a.block_table[0]].ref_count == 2
+    assert kv.hit_tokens == 64 and kv.query_tokens == 64 + 74
+
+
+def test_prefix_match_stops_at_first_difference_and_checks_keys():
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    a = seq(range(16))
+    kv.allocate(a, 16, kv.match_prefix(a))
+    a.num_computed_tokens = 16
+    kv.cache_full_blocks(a)
+    b = seq([0, 1, 2, 3, 9, 9, 9, 9, 8, 9, 10, 11, 12])
+    assert kv.match_prefix(b) == a.block_table[:1]  # same third block, different parent: no hit
+    # A forged hash collision is caught by the key check.
+    forged = seq([7, 7, 7, 7, 1])
+    kv._hash_blocks(forged, 1)
+    kv.hash_to_block[forged.block_hashes[0]] = a.block_table[0]
+    assert kv.match_prefix(forged) == []
+
+
+def test_cached_blocks_survive_free_and_are_evicted_lru_only_when_needed():
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    old, new = seq(range(8)), seq(range(100, 108))
+    for s in (old, new):
+        kv.allocate(s, 8, kv.match_prefix(s))
+        s.num_computed_tokens = 8
+        kv.cache_full_blocks(s)
+    old_blocks, new_blocks = list(old.block_table), list(new.block_table)
+    kv.free(old)
+    kv.free(new)
+    assert kv.num_cached == 4 and kv.num_free == 6
+    filler = seq(range(200, 208))  # two plain free blocks exist: no eviction
+    kv.allocate(filler, 8, kv.match_prefix(filler))
+    assert kv.evictions == 0 and kv.num_cached == 4
+    extra = seq(range(300, 304))  # needs one more: evicts the least recently freed, tail first
+    kv.allocate(extra, 4, kv.match_prefix(extra))
+    assert kv.evictions == 1 and extra.block_table == [old_blocks[1]]
+    again = seq(list(range(100, 108)) + [5])
+    assert kv.match_prefix(again) == new_blocks
+
+
+def test_fork_shares_blocks_and_copies_partial_block_on_write():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    parent = seq(range(6))  # one full block + a partial one
+    kv.allocate(parent, 6, kv.match_prefix(parent))
+    parent.num_computed_tokens = 6
+    child = parent.fork(1)
+    kv.share(parent, child)
+    assert [kv.blocks[b].ref_count for b in parent.block_table] == [2, 2]
+    for s in (parent, child):
+        s.token_ids.append(42)
+    assert kv.allocate(child, 1)  # writes position 6, inside the shared partial block
+    assert kv.pending_copies == [(parent.block_table[1], child.block_table[1])]
+    assert child.block_table[0] == parent.block_table[0] and child.block_table[1] != parent.block_table[1]
+    assert kv.allocate(parent, 1)  # now the sole owner: no copy
+    assert len(kv.pending_copies) == 1
+    kv.free(parent)
+    kv.free(child)
+    assert kv.num_free == 16
