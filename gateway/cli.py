@@ -19,14 +19,16 @@ def main() -> None:
 def serve(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
-    model: Annotated[str, typer.Option(help="GGUF file or Hugging Face directory for the built-in engine (default: SmolLM2-135M-Instruct).")] = "",
+    model: Annotated[str, typer.Option(
+        help="GGUF file or Hugging Face directory for the built-in engine (default: SmolLM2-135M-Instruct).")] = "",
     served_name: Annotated[str, typer.Option(help="Model id clients use (default: from the file name).")] = "",
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32",
     kv_cache_tokens: Annotated[int, typer.Option(help="KV cache capacity in tokens.")] = 16384,
     max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of one engine step.")] = 2048,
     max_model_len: Annotated[int, typer.Option(help="Context length cap (0: the model's own).")] = 0,
-    no_prefix_caching: Annotated[bool, typer.Option("--no-prefix-caching", help="Disable automatic prefix caching.")] = False,
+    no_prefix_caching: Annotated[bool, typer.Option(
+        "--no-prefix-caching", help="Disable automatic prefix caching.")] = False,
     log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
 ) -> None:
     """Serve the OpenAI-compatible API in front of the built-in engine."""

@@ -8,8 +8,14 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from backends.base import (
-    BackendError, BackendTimeout, ContextTooLong, InvalidRequest, ModelNotFound, Overloaded,
-    Unavailable, UpstreamError,
+    BackendError,
+    BackendTimeout,
+    ContextTooLong,
+    InvalidRequest,
+    ModelNotFound,
+    Overloaded,
+    Unavailable,
+    UpstreamError,
 )
 
 # error class -> (HTTP status, OpenAI error type)

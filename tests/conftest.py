@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from backends.builtin.config import EngineConfig
 from backends.builtin.engine import LLMEngine
-from backends.builtin.loader import gguf_to_hf_dir, default_model_path, load_model
+from backends.builtin.loader import default_model_path, gguf_to_hf_dir, load_model
 
 _engines: list[LLMEngine] = []
 
@@ -65,3 +70,46 @@ def tiny_model(tmp_path_factory, default_model_dir):
     AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(directory)
     assert json.loads((directory / "config.json").read_text())["model_type"] == "llama"
     return load_model(directory)
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """The correctness baseline: transformers on the same GGUF file, fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_app(app):
+    """Run an ASGI app with uvicorn on a real loopback socket, in a background thread."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def wait_ready(base_url: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{base_url}/ready").status_code != 200:
+        assert time.monotonic() < deadline, "backend never became ready"
+        time.sleep(0.1)

@@ -5,21 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.builtin.loader import default_model_path
 from backends.builtin.sequence import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
              "Explain gravity to a child in one paragraph."]
 LOGIT_TOLERANCE = 2e-3  # max |engine - transformers| over the vocabulary, fp32 (measured ~1e-4)
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

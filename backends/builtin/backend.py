@@ -9,8 +9,18 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from ..base import (
-    Backend, Capabilities, ContextTooLong, Delta, Event, Finish, GenerateRequest, Health,
-    InvalidRequest, Load, Unavailable, Usage,
+    Backend,
+    Capabilities,
+    ContextTooLong,
+    Delta,
+    Event,
+    Finish,
+    GenerateRequest,
+    Health,
+    InvalidRequest,
+    Load,
+    Unavailable,
+    Usage,
 )
 from .config import EngineConfig
 from .engine import AsyncLLMEngine, LLMEngine
@@ -58,7 +68,8 @@ class BuiltinBackend(Backend):
 
     @property
     def model_id(self) -> str:
-        return self.config.served_name or model_name(Path(self.config.model) if self.config.model else default_model_path())
+        source = Path(self.config.model) if self.config.model else default_model_path()
+        return self.config.served_name or model_name(source)
 
     def _ready(self) -> tuple[LLMEngine, AsyncLLMEngine]:
         if self.engine is None or self._async is None:
@@ -87,8 +98,8 @@ class BuiltinBackend(Backend):
             ids = list(request.prompt_token_ids)
             bad = [t for t in ids if not 0 <= t < engine.loaded.config.vocab_size]
             if bad:
-                raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{engine.loaded.config.vocab_size - 1})",
-                                     param="prompt")
+                vocab = engine.loaded.config.vocab_size
+                raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt")
             return ids
         if request.prompt is not None:
             return tokenizer.encode(request.prompt)
@@ -114,7 +125,8 @@ class BuiltinBackend(Backend):
         if not 1 <= request.n <= MAX_N:
             raise InvalidRequest(f"n must be between 1 and {MAX_N}", param="n")
         if request.n > 1 and request.temperature == 0:
-            raise InvalidRequest("n > 1 needs sampling (temperature > 0): greedy choices would be identical", param="n")
+            raise InvalidRequest("n > 1 needs sampling (temperature > 0): greedy choices would be identical",
+                                 param="n")
         try:
             max_tokens = engine.check_request(num_prompt_tokens, request.max_tokens)
         except OverflowError as exc:

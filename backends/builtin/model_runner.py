@@ -38,7 +38,9 @@ class ModelRunner:
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.inv_freq = rope_inv_freq(cfg).to(self.device)  # kept in fp32, as the reference does
         shape = (2, num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+        # Zeroed, not empty: masked-out slots still enter the attention product, and NaN garbage would spread.
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                          for _ in range(cfg.num_hidden_layers)]
 
     def kv_bytes_per_token(self) -> int:
         per_block = self.kv_caches[0][0, 0].numel() * self.kv_caches[0].element_size() * 2

@@ -35,4 +35,5 @@ def _filtered_probs(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     sorted_probs = sorted_logits.softmax(dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     sorted_probs = sorted_probs.masked_fill(mass_before >= top_p[:, None], 0.0)  # keeps the first token
+    sorted_probs /= sorted_probs.sum(dim=-1, keepdim=True)
     return torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)

@@ -38,14 +38,17 @@ class LlamaConfig:
     def from_hf(cls, cfg: dict) -> LlamaConfig:
         eos = cfg.get("eos_token_id")
         heads = cfg["num_attention_heads"]
+        # transformers >= 5 writes `rope_parameters`; older files `rope_theta` + `rope_scaling`.
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         return cls(
             vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads", heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=cfg.get("rope_theta", 10000.0),
-            rope_scaling=cfg.get("rope_scaling"),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0), rope_scaling=scaling,
             rope_freq_factors=tuple(cfg["rope_freq_factors"]) if cfg.get("rope_freq_factors") else None,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             bos_token_id=cfg.get("bos_token_id"),

@@ -1,0 +1,136 @@
+"""Scheduling, caching, preemption and sampling behaviour of the engine (tiny float64 model)."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from backends.builtin.sequence import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def run(engine, prompts, params=GREEDY):
+    return [o[0] for o in engine.generate(prompts, params)]
+
+
+def shared_prefix_prompts(prefix_len: int, suffixes: list[list[int]]) -> list[list[int]]:
+    prefix = [(7 * i) % 40000 + 100 for i in range(prefix_len)]
+    return [prefix + s for s in suffixes]
+
+
+def test_shared_1000_token_prefix_computes_only_the_suffix(make_engine, tiny_model):
+    engine = make_engine(tiny_model, dtype="float64")
+    a, b = shared_prefix_prompts(1000, [[5, 6, 7], [8, 9, 10, 11]])
+    run(engine, [a])
+    before = engine.computed_prompt_tokens
+    run(engine, [b])
+    hit = engine.kv.hit_tokens
+    assert hit == 992  # 62 full blocks of the shared 1,000 tokens
+    assert engine.computed_prompt_tokens - before == len(b) - hit == 12
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    data=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 40), st.integers(1, 10)), min_size=1, max_size=6),
+    num_blocks=st.integers(8, 24),
+    budget=st.sampled_from([8, 32, 256]),
+)
+def test_cache_and_eviction_never_change_outputs(make_engine, tiny_model, data, num_blocks, budget):
+    """Random mixes of requests sharing prefixes, on a KV cache small enough to evict and preempt:
+    outputs equal those of an unconstrained engine without prefix caching."""
+    prefixes = [[(31 * g + i) % 49000 + 50 for i in range(16 * (g + 1))] for g in range(4)]
+    prompts = [prefixes[g][: 16 * (g + 1)] + [1000 + k for k in range(extra)] for g, extra, _ in data]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, _, m in data]
+    reference = make_engine(tiny_model, dtype="float64", enable_prefix_caching=False)
+    want = [o[0] for o in reference.generate(prompts, params)]
+    # Enough blocks for the longest request alone, not for all at once.
+    need = max(-(-(len(p) + m) // 16) for p, (_, _, m) in zip(prompts, data))
+    engine = make_engine(tiny_model, dtype="float64", num_kv_blocks=max(num_blocks, need),
+                         max_num_batched_tokens=budget)
+    for _ in range(2):  # the second round hits what the first cached
+        assert [o[0] for o in engine.generate(prompts, params)] == want
+
+
+def test_preemption_keeps_outputs_identical(make_engine, tiny_model):
+    prompts = [[100 + 13 * i + j for j in range(40)] for i in range(6)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want = run(make_engine(tiny_model, dtype="float64"), prompts, params)
+    small = make_engine(tiny_model, dtype="float64", num_kv_blocks=12)  # 6 requests need 30 blocks
+    assert run(small, prompts, params) == want
+    assert small.scheduler.num_preemptions > 0
+    assert all(len(o) == 40 for o in want)
+
+
+def test_preemption_on_real_model_matches(make_engine, default_model):
+    tok = default_model.tokenizer
+    prompts = [tok.encode(f"Count from {i} to {i + 30}:") for i in range(4)]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    want = run(make_engine(), prompts, params)
+    small = make_engine(num_kv_blocks=8)
+    assert run(small, prompts, params) == want and small.scheduler.num_preemptions > 0
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(make_engine, tiny_model):
+    engine = make_engine(tiny_model, dtype="float64")
+    prompt = [500 + i for i in range(20)]
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = run(engine, [prompt], seeded)[0]
+    others = [[900 + i * 3 for i in range(n)] for n in (5, 33, 12)]
+    unseeded = SamplingParams(max_tokens=16, temperature=0.8, ignore_eos=True)
+    mixed = engine.generate([*others, prompt], [unseeded] * 3 + [seeded])
+    assert mixed[3][0] == alone
+    reseeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=99, ignore_eos=True)
+    assert run(engine, [prompt], reseeded)[0] != alone
+
+
+def test_n_choices_fork_and_copy_on_write(make_engine, tiny_model):
+    engine = make_engine(tiny_model, dtype="float64")
+    prompt = [200 + i for i in range(21)]  # 1 full block + a partial one, shared by the forks
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=7, n=3, ignore_eos=True)
+    out = engine.generate([prompt], params)[0]
+    assert sorted(out) == [0, 1, 2] and all(len(t) == 8 for t in out.values())
+    assert len({tuple(t) for t in out.values()}) == 3
+    assert engine.computed_prompt_tokens == 21  # the prompt ran once for all three choices
+    # Each choice equals what a single seeded request with that choice's seed produces.
+    for i, tokens in out.items():
+        single = SamplingParams(max_tokens=8, temperature=1.0, seed=7 + i, ignore_eos=True)
+        assert run(engine, [prompt], single)[0] == tokens
+
+
+def test_top_k_one_equals_greedy(make_engine, tiny_model):
+    engine = make_engine(tiny_model, dtype="float64")
+    prompt = [300 + i for i in range(10)]
+    sampled = run(engine, [prompt], SamplingParams(max_tokens=10, temperature=0.7, top_k=1, ignore_eos=True))
+    assert sampled == run(engine, [prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+
+
+def test_stop_strings_and_stop_tokens(make_engine, default_model):
+    engine = make_engine()
+    tok = default_model.tokenizer
+    prompt = tok.encode("1, 2, 3, 4, 5,")
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    full_ids = run(engine, [prompt], params)[0]
+    full = tok.decode(full_ids, skip_special_tokens=True)
+    stop = full[4:7]
+    engine.add_request("r", prompt, params, stop=[stop])
+    texts, reasons = [], []
+    while engine.has_work:
+        for out in engine.step():
+            texts.append(out.text)
+            reasons.append(out.finish_reason)
+    assert "".join(texts) == full[: full.index(stop)] and reasons[-1] == "stop"
+    cut = run(engine, [prompt], SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=(full_ids[3],)))[0]
+    assert cut == full_ids[: full_ids.index(full_ids[3]) + 1]
+
+
+def test_abort_frees_blocks_at_the_next_step(make_engine):
+    engine = make_engine()
+    engine.add_request("a", list(range(100, 180)), SamplingParams(max_tokens=50, temperature=0.0))
+    engine.add_request("b", list(range(200, 240)), SamplingParams(max_tokens=5, temperature=0.0))
+    engine.step()
+    assert engine.kv.num_used > 0
+    engine.abort("a")
+    assert all(s.request_id != "a" for s in engine.scheduler.running)
+    while engine.has_work:
+        engine.step()

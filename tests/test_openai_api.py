@@ -1,0 +1,173 @@
+"""`servegate serve`'s OpenAI API through the official `openai` SDK and raw HTTP, on a real socket."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from backends.builtin import BuiltinBackend, EngineConfig
+from gateway.app import create_app
+
+from .conftest import free_port, serve_app, wait_ready
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return BuiltinBackend(EngineConfig())
+
+
+@pytest.fixture(scope="module")
+def base_url(backend):
+    with serve_app(create_app({backend.model_id: backend})) as url:
+        first_ready = httpx.get(f"{url}/ready")
+        wait_ready(url)
+        yield url, first_ready
+    engine = backend.engine
+    assert engine.kv.num_free == engine.kv.num_blocks, "KV blocks leaked by the API tests"
+
+
+@pytest.fixture
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url[0]}/v1", api_key="unused", max_retries=0)
+
+
+def test_probes_and_models(base_url, client):
+    url, first_ready = base_url
+    assert first_ready.status_code == 503  # the model was still loading
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{url}/ready").status_code == 200
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_greedy_equals_transformers(client, hf_model, default_model):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    tok = default_model.tokenizer
+    prompt = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                        add_special_tokens=False)
+    with torch.inference_mode():
+        ids = hf_model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt):]
+    want = tok.decode(ids, skip_special_tokens=True)
+    got = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=20)
+    assert got.choices[0].message.content == want
+    assert got.usage.prompt_tokens == len(prompt) and got.usage.completion_tokens == len(ids)
+
+
+def test_chat_stream_with_usage_and_cached_tokens(client):
+    messages = [{"role": "system", "content": "You answer briefly. " * 10},
+                {"role": "user", "content": "Name a color."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=12)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=12,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 48  # the repeated prompt hit the cache
+
+
+def test_completions_stream_and_not(client):
+    full = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=10, temperature=0)
+    assert full.choices[0].finish_reason in ("length", "stop") and full.usage.completion_tokens <= 10
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=10, temperature=0, stream=True) if c.choices)
+    assert streamed == full.choices[0].text
+    n3 = client.completions.create(model=MODEL, prompt="Once", max_tokens=5, temperature=1, n=3, seed=1)
+    assert sorted(c.index for c in n3.choices) == [0, 1, 2]
+
+
+def test_bad_inputs_get_clear_openai_errors(base_url, client):
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.completions.create(model=MODEL, prompt="hello " * 9000, max_tokens=5)
+    assert too_long.value.code == "context_length_exceeded" and "maximum context length" in too_long.value.message
+    with pytest.raises(openai.BadRequestError) as zero:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=0)
+    assert "max_tokens" in zero.value.message
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=-1)
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+    assert unknown.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as unsupported:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], logprobs=True)
+    assert "logprobs" in unsupported.value.message
+    url = base_url[0]
+    bad_json = httpx.post(f"{url}/v1/chat/completions", content=b'{"model": ',
+                          headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400 and "JSON" in bad_json.json()["error"]["message"]
+    bad_stream = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x " * 9000, "stream": True})
+    assert bad_stream.status_code == 400 and bad_stream.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_client_disconnect_frees_blocks_within_a_step(base_url, backend):
+    url = base_url[0]
+    engine = backend.engine
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{url}/v1/completions", json={
+            "model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True,
+            "temperature": 0, "stream": True,
+        }) as response:
+            lines = response.iter_lines()
+            for _ in range(6):
+                next(lines)
+            assert engine.kv.num_used > 0
+            steps_at_close = engine.steps
+    # the connection is closed here
+    deadline = time.monotonic() + 10
+    while engine.kv.num_used or engine.scheduler.running:
+        assert time.monotonic() < deadline, "the aborted request still holds KV blocks"
+        time.sleep(0.005)
+    assert engine.steps - steps_at_close <= 2
+
+
+def test_failing_request_does_not_disturb_the_batch(base_url):
+    url = base_url[0]
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            long = asyncio.create_task(http.post("/v1/completions", json={
+                "model": MODEL, "prompt": "Count:", "max_tokens": 40, "temperature": 0, "ignore_eos": True}))
+            await asyncio.sleep(0.2)
+            bad = await asyncio.gather(
+                http.post("/v1/completions", json={"model": MODEL, "prompt": "x " * 9000}),
+                http.post("/v1/completions", json={"model": MODEL, "prompt": [99999999]}),
+                http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "bogus", "content": 1}]}),
+            )
+            return await long, bad
+
+    long, bad = asyncio.run(scenario())
+    assert [r.status_code for r in bad] == [400, 400, 400]
+    assert long.status_code == 200 and long.json()["usage"]["completion_tokens"] == 40
+
+
+def test_servegate_serve_cli_answers_the_openai_sdk():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(f"{url}/ready").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "servegate serve did not become ready"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}],
+                                               max_tokens=8)
+        assert reply.choices[0].message.content and reply.usage.completion_tokens <= 8
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
