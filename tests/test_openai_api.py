@@ -129,6 +129,22 @@ def test_client_disconnect_frees_blocks_within_a_step(base_url, backend):
     assert engine.steps - steps_at_close <= 2
 
 
+def test_non_streaming_client_that_leaves_cancels_the_request(base_url, backend):
+    url, engine = base_url[0], backend.engine
+
+    async def leave_early():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(http.post("/v1/completions", json={
+                    "model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True}), 1.5)
+
+    asyncio.run(leave_early())
+    deadline = time.monotonic() + 10
+    while engine.kv.num_used or engine.scheduler.running:
+        assert time.monotonic() < deadline, "the abandoned request kept running"
+        time.sleep(0.01)
+
+
 def test_failing_request_does_not_disturb_the_batch(base_url):
     url = base_url[0]
 
