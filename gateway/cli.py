@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from advisor.bench.cli import bench
+
 app = typer.Typer(help="servegate: LLM gateway, runtime advisor and TGI migration.", no_args_is_help=True)
 
 
@@ -46,3 +48,7 @@ def serve(
     )
     backend = BuiltinBackend(config)
     uvicorn.run(create_app({backend.model_id: backend}), host=host, port=port, log_level=log_level)
+
+
+# `servegate bench` lives in the advisor: it is the advisor's measuring instrument too.
+app.command(name="bench")(bench)

@@ -52,7 +52,7 @@ def assert_no_leaks(engine: LLMEngine) -> None:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory, default_model_dir):
+def tiny_model_dir(tmp_path_factory, default_model_dir):
     """A 2-layer random Llama in float64 with the default model's tokenizer: fast, and with
     float64 numerics equal runs give equal tokens, which property tests rely on."""
     import torch
@@ -69,7 +69,12 @@ def tiny_model(tmp_path_factory, default_model_dir):
     model.save_pretrained(directory)
     AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(directory)
     assert json.loads((directory / "config.json").read_text())["model_type"] == "llama"
-    return load_model(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir):
+    return load_model(tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,1 @@
+"""`servegate bench`: SLO benchmark harness (datasets, arrivals, targets, metrics)."""

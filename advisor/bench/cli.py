@@ -1,0 +1,165 @@
+"""`servegate bench`: flags follow `vllm bench serve` where it has one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .arrivals import arrival_times
+from .datasets import (
+    DATASETS,
+    Conversation,
+    multi_turn_dataset,
+    random_dataset,
+    shared_prefix_dataset,
+    trace_dataset,
+)
+from .metrics import parse_goodput, summarize
+from .runner import measure, run_workload
+
+console = Console(stderr=True)
+
+
+def load_tokenizer(path: str | None):
+    from transformers import AutoTokenizer
+
+    from backends.builtin.loader import default_model_path, gguf_to_hf_dir
+
+    source = Path(path) if path else default_model_path()
+    return AutoTokenizer.from_pretrained(gguf_to_hf_dir(source) if source.suffix == ".gguf" else source)
+
+
+def make_target(target: str | None, protocol: str, backend: str | None, model: str | None, api_key: str | None):
+    from .targets import BackendTarget, OpenAITarget, TGITarget
+
+    if backend:
+        if backend != "builtin":
+            raise typer.BadParameter(f"unknown backend {backend!r} (available: builtin)", param_hint="--backend")
+        from backends.builtin import BuiltinBackend, EngineConfig
+
+        return BackendTarget(BuiltinBackend(EngineConfig(model=model or "")))
+    if not target:
+        raise typer.BadParameter("give --target URL or --backend NAME", param_hint="--target")
+    if protocol == "tgi":
+        return TGITarget(target, api_key)
+    if protocol != "openai":
+        raise typer.BadParameter(f"unknown protocol {protocol!r} (openai, tgi)", param_hint="--protocol")
+    return OpenAITarget(target, model, api_key)
+
+
+def build_dataset(name: str, tokenizer, num_prompts: int, seed: int, opts: dict) -> list[Conversation]:
+    if name == "random":
+        return random_dataset(tokenizer, num_prompts, opts["random_input_len"], opts["random_output_len"],
+                              opts["random_range_ratio"], seed)
+    if name == "shared-prefix":
+        groups = opts["gsp_num_groups"]
+        return shared_prefix_dataset(tokenizer, groups, max(1, num_prompts // groups), opts["gsp_system_prompt_len"],
+                                     opts["gsp_question_len"], opts["gsp_output_len"], seed)
+    if name == "multi-turn":
+        return multi_turn_dataset(tokenizer, num_prompts, opts["multi_turn_turns"], opts["random_input_len"],
+                                  opts["random_output_len"], seed)
+    if name == "trace":
+        if not opts["trace"]:
+            raise typer.BadParameter("--dataset trace needs --trace FILE", param_hint="--trace")
+        return trace_dataset(opts["trace"], tokenizer, seed)
+    raise typer.BadParameter(f"unknown dataset {name!r} (choose from {', '.join(DATASETS)})", param_hint="--dataset")
+
+
+async def run_once(target, conversations: list[Conversation], rate: float, burstiness: float, seed: int,
+                   max_concurrency: int | None, warmups: int, slo: dict, trace: bool) -> dict:
+    for conversation in conversations[:warmups]:
+        await measure(target, conversation.prompt(0), conversation.turns[0].max_tokens, 0.0)
+    total = sum(len(c.turns) for c in conversations)
+    arrivals = None if trace else arrival_times(len(conversations), rate, burstiness, seed)
+    columns = (TextColumn(f"rate {rate:g}/s"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("bench", total=total)
+        results, duration = await run_workload(target, conversations, arrivals, max_concurrency,
+                                               on_result=lambda _: progress.advance(task))
+    summary = summarize(results, duration, slo or None)
+    summary.update(request_rate=rate, burstiness=burstiness, max_concurrency=max_concurrency,
+                   ttfts=[r.ttft for r in results], itls=[r.itl for r in results],
+                   input_lens=[r.prompt_tokens for r in results], output_lens=[r.output_tokens for r in results],
+                   cached_lens=[r.cached_tokens for r in results], errors=[r.error for r in results])
+    return summary
+
+
+def print_summary(summary: dict) -> None:
+    table = Table(title=f"request rate {summary['request_rate']:g}/s")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key in ("completed", "failed", "duration", "request_throughput", "request_goodput", "output_throughput",
+                "total_token_throughput", "total_cached_tokens", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+                "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms"):
+        value = summary.get(key)
+        table.add_row(key, "-" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value))
+    console.print(table)
+
+
+def bench(
+    target: Annotated[str | None, typer.Option(help="Base URL of the server to measure.")] = None,
+    protocol: Annotated[str, typer.Option(help="openai (/v1/completions) | tgi (/generate_stream)")] = "openai",
+    backend: Annotated[str | None, typer.Option(help="Measure a backend in process instead (builtin).")] = None,
+    model: Annotated[str | None, typer.Option(help="Model id to ask for (default: the server's first).")] = None,
+    api_key: Annotated[str | None, typer.Option(help="Bearer key for the target.")] = None,
+    tokenizer: Annotated[str | None, typer.Option(help="Tokenizer for generated prompts (HF dir or GGUF).")] = None,
+    dataset: Annotated[str, typer.Option(help="random | shared-prefix | multi-turn | trace")] = "random",
+    num_prompts: Annotated[int, typer.Option(help="Requests (conversations for multi-turn).")] = 100,
+    random_input_len: Annotated[int, typer.Option()] = 256,
+    random_output_len: Annotated[int, typer.Option()] = 64,
+    random_range_ratio: Annotated[float, typer.Option()] = 0.0,
+    gsp_num_groups: Annotated[int, typer.Option()] = 8,
+    gsp_system_prompt_len: Annotated[int, typer.Option()] = 512,
+    gsp_question_len: Annotated[int, typer.Option()] = 64,
+    gsp_output_len: Annotated[int, typer.Option()] = 128,
+    multi_turn_turns: Annotated[int, typer.Option()] = 3,
+    trace: Annotated[str | None, typer.Option(help="JSONL trace for --dataset trace.")] = None,
+    request_rate: Annotated[float, typer.Option(help="Requests/s (inf: all at once).")] = math.inf,
+    burstiness: Annotated[float, typer.Option(help="Gamma shape of arrivals; 1 is Poisson.")] = 1.0,
+    max_concurrency: Annotated[int | None, typer.Option(help="Requests in flight at most.")] = None,
+    num_warmups: Annotated[int, typer.Option(help="Unmeasured requests first.")] = 1,
+    goodput: Annotated[list[str] | None, typer.Option(help="SLO as KEY:MS (ttft, tpot, e2el); repeatable.")] = None,
+    seed: Annotated[int, typer.Option()] = 0,
+    sweep: Annotated[str | None, typer.Option(help="Comma-separated request rates to run in turn.")] = None,
+    output: Annotated[Path | None, typer.Option(help="Write the results as JSON here.")] = None,
+) -> None:
+    """Measure a serving target: TTFT, ITL, TPOT, end-to-end latency, throughput and SLO goodput."""
+    try:
+        slo = parse_goodput(goodput or [])
+        rates = [float(r) for r in sweep.split(",")] if sweep else [request_rate]
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    opts = dict(random_input_len=random_input_len, random_output_len=random_output_len,
+                random_range_ratio=random_range_ratio, gsp_num_groups=gsp_num_groups,
+                gsp_system_prompt_len=gsp_system_prompt_len, gsp_question_len=gsp_question_len,
+                gsp_output_len=gsp_output_len, multi_turn_turns=multi_turn_turns, trace=trace)
+    the_target = make_target(target, protocol, backend, model, api_key)
+    tok = load_tokenizer(tokenizer) if dataset != "trace" or trace else None
+
+    async def main() -> list[dict]:
+        await the_target.prepare()
+        try:
+            runs = []
+            for rate in rates:
+                conversations = build_dataset(dataset, tok, num_prompts, seed, opts)
+                runs.append(await run_once(the_target, conversations, rate, burstiness, seed, max_concurrency,
+                                           num_warmups, slo, dataset == "trace"))
+                print_summary(runs[-1])
+            return runs
+        finally:
+            await the_target.close()
+
+    runs = asyncio.run(main())
+    result = {"target": the_target.name, "dataset": dataset, "num_prompts": num_prompts, "seed": seed,
+              "goodput_slo_ms": slo, **(runs[0] if len(runs) == 1 else {"runs": runs})}
+    if output:
+        output.write_text(json.dumps(result, indent=1))
+        console.print(f"results written to {output}")

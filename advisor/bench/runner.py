@@ -1,0 +1,73 @@
+"""Drives a workload against a target: open-loop arrivals or fixed concurrency, timing every piece."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+from .datasets import Conversation
+from .metrics import RequestResult
+from .targets import Counts, TargetError
+
+
+async def measure(target, prompt: str, max_tokens: int, run_start: float) -> tuple[RequestResult, str]:
+    """One request: time to first text, gaps between later texts, end to end; never raises."""
+    sent = time.perf_counter()
+    result = RequestResult(prompt_tokens=0, start=sent - run_start)
+    pieces: list[str] = []
+    counts = Counts()
+    last = sent
+    try:
+        async for piece in target.generate(prompt, max_tokens):
+            if isinstance(piece, Counts):
+                counts = piece
+                continue
+            if not piece:
+                continue
+            now = time.perf_counter()
+            if result.ttft is None:
+                result.ttft = now - sent
+            else:
+                result.itl.append(now - last)
+            last = now
+            pieces.append(piece)
+        result.e2el = time.perf_counter() - sent
+        if not pieces:
+            raise TargetError("the response had no output text")
+    except (TargetError, OSError, ValueError) as exc:
+        result.error = str(exc) or type(exc).__name__
+    except Exception as exc:  # httpx transport errors and anything else a target raises
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.prompt_tokens = counts.prompt_tokens or 0
+    result.output_tokens = counts.output_tokens if counts.output_tokens is not None else len(pieces)
+    result.cached_tokens = counts.cached_tokens
+    return result, "".join(pieces)
+
+
+async def run_workload(target, conversations: list[Conversation], arrivals: list[float] | None = None,
+                       max_concurrency: int | None = None,
+                       on_result: Callable[[RequestResult], None] | None = None) -> tuple[list[RequestResult], float]:
+    """Send every turn of every conversation; a conversation starts at its arrival offset and its
+    turns follow one another. Returns the results and the run's duration in seconds."""
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    results: list[RequestResult] = []
+    start = time.perf_counter()
+
+    async def converse(conversation: Conversation, offset: float) -> None:
+        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+        conversation.replies = []
+        for index, turn in enumerate(conversation.turns):
+            async with limit or contextlib.nullcontext():
+                result, reply = await measure(target, conversation.prompt(index), turn.max_tokens, start)
+            conversation.replies.append(reply)
+            results.append(result)
+            if on_result:
+                on_result(result)
+            if not result.ok:
+                return  # later turns would build on a missing reply
+
+    offsets = arrivals or [c.arrival or 0.0 for c in conversations]
+    await asyncio.gather(*(converse(c, t) for c, t in zip(conversations, offsets)))
+    return results, time.perf_counter() - start

@@ -1,0 +1,132 @@
+"""The benchmark harness: metric arithmetic, goodput, arrivals, datasets, and a tiny end-to-end run."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from advisor.bench.arrivals import arrival_times
+from advisor.bench.datasets import Conversation, Turn, shared_prefix_dataset, trace_dataset
+from advisor.bench.metrics import RequestResult, parse_goodput, summarize
+from backends.builtin import BuiltinBackend, EngineConfig
+from gateway.app import create_app
+from gateway.cli import app
+
+from .conftest import serve_app, wait_ready
+
+VLLM_KEYS = {"duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
+             "request_goodput", "output_throughput", "total_token_throughput"} | {
+    f"{stat}_{m}_ms" for stat in ("mean", "median", "std", "p50", "p95", "p99") for m in ("ttft", "tpot", "itl", "e2el")}
+
+
+def synthetic() -> list[RequestResult]:
+    # Request A: sent at 0, first text at 0.1 s, then 3 more at 0.05 s gaps -> e2e 0.25 s, 4 tokens.
+    a = RequestResult(prompt_tokens=10, output_tokens=4, start=0.0, ttft=0.1, itl=[0.05, 0.05, 0.05], e2el=0.25)
+    # Request B: slow first token, 2 tokens.
+    b = RequestResult(prompt_tokens=20, output_tokens=2, start=0.5, ttft=0.9, itl=[0.1], e2el=1.0)
+    failed = RequestResult(prompt_tokens=0, start=1.0, error="HTTP 503")
+    return [a, b, failed]
+
+
+def test_summary_arithmetic_on_synthetic_timestamps():
+    s = summarize(synthetic(), duration=2.0, slo_ms={"ttft": 500})
+    assert VLLM_KEYS <= set(s)
+    assert (s["completed"], s["failed"]) == (2, 1)
+    assert s["total_input_tokens"] == 30 and s["total_output_tokens"] == 6
+    assert s["request_throughput"] == 1.0 and s["output_throughput"] == 3.0 and s["total_token_throughput"] == 18.0
+    assert s["mean_ttft_ms"] == pytest.approx(500.0) and s["median_ttft_ms"] == pytest.approx(500.0)
+    assert s["p99_ttft_ms"] == pytest.approx(100 + 0.99 * 800)
+    # TPOT = (e2e - ttft) / (tokens - 1): A 50 ms, B 100 ms.
+    assert s["mean_tpot_ms"] == pytest.approx(75.0)
+    assert s["mean_itl_ms"] == pytest.approx(np.mean([50, 50, 50, 100]))
+    assert s["std_e2el_ms"] == pytest.approx(np.std([250, 1000]))
+    assert s["request_goodput"] == 0.5  # only A meets TTFT <= 500 ms; the failed one never counts
+
+
+def test_goodput_counts_every_slo_and_rejects_bad_specs():
+    a, b, failed = synthetic()
+    assert a.meets({"ttft": 100, "tpot": 50, "e2el": 250}) and not a.meets({"tpot": 49})
+    assert b.meets({"e2el": 1000}) and not b.meets({"ttft": 899})
+    assert not failed.meets({})
+    one_token = RequestResult(prompt_tokens=1, output_tokens=1, ttft=0.2, e2el=0.2)
+    assert one_token.tpot is None and one_token.meets({"tpot": 1})
+    assert parse_goodput(["ttft:500", "e2el:2000"]) == {"ttft": 500.0, "e2el": 2000.0}
+    for bad in (["itl:5"], ["ttft"], ["ttft:-1"]):
+        with pytest.raises(ValueError, match="goodput"):
+            parse_goodput(bad)
+
+
+def test_poisson_and_gamma_arrivals_have_the_asked_rate_and_burstiness():
+    times = np.array(arrival_times(20000, rate=5.0, seed=1))
+    gaps = np.diff(times)
+    assert times[0] == 0.0 and np.all(gaps >= 0)
+    assert gaps.mean() == pytest.approx(0.2, rel=0.03)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.05)  # exponential: CV 1
+    bursty = np.diff(arrival_times(20000, rate=5.0, burstiness=0.25, seed=1))
+    assert bursty.mean() == pytest.approx(0.2, rel=0.05)
+    assert bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.07)  # gamma shape k: CV 1/sqrt(k)
+    assert arrival_times(3, float("inf")) == [0.0, 0.0, 0.0]
+    assert arrival_times(50, 2.0, seed=7) == arrival_times(50, 2.0, seed=7)
+
+
+def test_shared_prefix_and_multi_turn_prompts(default_model):
+    tok = default_model.tokenizer
+    data = shared_prefix_dataset(tok, num_groups=3, prompts_per_group=4, system_prompt_len=64, question_len=8,
+                                 output_len=5, seed=3)
+    assert len(data) == 12 and len({c.prefix for c in data}) == 3
+    assert all(58 <= len(tok.encode(c.prefix, add_special_tokens=False)) <= 64 for c in data)
+    assert [c.prompt(0) for c in data] == [c.prompt(0) for c in shared_prefix_dataset(tok, 3, 4, 64, 8, 5, seed=3)]
+    chat = Conversation([Turn("Q1 ", 4), Turn("Q2 ", 4)], prefix="SYS ")
+    chat.replies = ["A1 "]
+    assert chat.prompt(1) == "SYS Q1 A1 Q2 "
+
+
+def test_trace_lines_are_checked(tmp_path, default_model):
+    good = tmp_path / "t.jsonl"
+    good.write_text('{"timestamp": 5000, "input_length": 20, "output_length": 4}\n'
+                    '{"arrival": 3.0, "prompt": "hello", "max_tokens": 2}\n')
+    data = trace_dataset(good, default_model.tokenizer)
+    assert [c.arrival for c in data] == [0.0, 2.0] and data[0].turns[0].text == "hello"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"arrival": 1, "prompt": "x"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        trace_dataset(bad, default_model.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    backend = BuiltinBackend(EngineConfig(model=str(tiny_model_dir), dtype="float64", served_name="tiny"))
+    with serve_app(create_app({"tiny": backend})) as url:
+        wait_ready(url)
+        yield url, backend
+
+
+def test_bench_end_to_end_against_servegate_serve(server, tmp_path):
+    url, backend = server
+    out = tmp_path / "result.json"
+    result = CliRunner().invoke(app, [
+        "bench", "--target", url, "--dataset", "shared-prefix", "--num-prompts", "8", "--gsp-num-groups", "2",
+        "--gsp-system-prompt-len", "64", "--gsp-question-len", "8", "--gsp-output-len", "6",
+        "--request-rate", "20", "--goodput", "ttft:60000", "--seed", "1", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert VLLM_KEYS <= set(data)
+    assert data["completed"] == 8 and data["failed"] == 0
+    assert data["total_output_tokens"] == 8 * 6  # ignore_eos honoured, usage read from the stream
+    assert data["request_goodput"] == pytest.approx(data["request_throughput"])
+    assert data["total_cached_tokens"] > 0  # the groups' shared prefixes hit the cache
+    assert len(data["ttfts"]) == 8 and all(len(itl) == 5 for itl in data["itls"])
+
+
+def test_bench_reports_failures_instead_of_crashing(server, tmp_path):
+    url, _ = server
+    out = tmp_path / "result.json"
+    result = CliRunner().invoke(app, [
+        "bench", "--target", url, "--model", "no-such-model", "--num-prompts", "3", "--random-input-len", "8",
+        "--random-output-len", "2", "--num-warmups", "0", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["completed"] == 0 and data["failed"] == 3 and "404" in data["errors"][0]
