@@ -17,9 +17,10 @@ from gateway.cli import app
 
 from .conftest import serve_app, wait_ready
 
+STATS = ("mean", "median", "std", "p50", "p95", "p99")
 VLLM_KEYS = {"duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
              "request_goodput", "output_throughput", "total_token_throughput"} | {
-    f"{stat}_{m}_ms" for stat in ("mean", "median", "std", "p50", "p95", "p99") for m in ("ttft", "tpot", "itl", "e2el")}
+    f"{stat}_{m}_ms" for stat in STATS for m in ("ttft", "tpot", "itl", "e2el")}
 
 
 def synthetic() -> list[RequestResult]:
