@@ -8,6 +8,15 @@ def seq(tokens: list[int]) -> Sequence:
     return Sequence(list(tokens), SamplingParams(temperature=0.0))
 
 
+def computed(kv: KVCacheManager, tokens) -> Sequence:
+    """A sequence admitted, fully computed and offered to the prefix cache."""
+    s = seq(tokens)
+    assert kv.allocate(s, len(s), kv.match_prefix(s))
+    s.num_computed_tokens = len(s)
+    kv.cache_full_blocks(s)
+    return s
+
+
 def test_200_tokens_hold_13_blocks_and_free_returns_all():
     kv = KVCacheManager(num_blocks=64, block_size=16)
     s = seq(range(200))
@@ -26,10 +35,7 @@ def test_allocation_is_all_or_nothing():
 
 def test_prefix_hit_reuses_full_blocks_and_leaves_last_token():
     kv = KVCacheManager(num_blocks=32, block_size=16)
-    a = seq(range(64))
-    kv.allocate(a, 64, kv.match_prefix(a))
-    a.num_computed_tokens = 64
-    kv.cache_full_blocks(a)
+    a = computed(kv, range(64))
     assert kv.num_cached == 4
     b = seq(list(range(64)) + [999] * 10)
     hits = kv.match_prefix(b)
@@ -44,10 +50,7 @@ def test_prefix_hit_reuses_full_blocks_and_leaves_last_token():
 
 def test_prefix_match_stops_at_first_difference_and_checks_keys():
     kv = KVCacheManager(num_blocks=32, block_size=4)
-    a = seq(range(16))
-    kv.allocate(a, 16, kv.match_prefix(a))
-    a.num_computed_tokens = 16
-    kv.cache_full_blocks(a)
+    a = computed(kv, range(16))
     b = seq([0, 1, 2, 3, 9, 9, 9, 9, 8, 9, 10, 11, 12])
     assert kv.match_prefix(b) == a.block_table[:1]  # same third block, different parent: no hit
     # A forged hash collision is caught by the key check.
@@ -59,11 +62,7 @@ def test_prefix_match_stops_at_first_difference_and_checks_keys():
 
 def test_cached_blocks_survive_free_and_are_evicted_lru_only_when_needed():
     kv = KVCacheManager(num_blocks=6, block_size=4)
-    old, new = seq(range(8)), seq(range(100, 108))
-    for s in (old, new):
-        kv.allocate(s, 8, kv.match_prefix(s))
-        s.num_computed_tokens = 8
-        kv.cache_full_blocks(s)
+    old, new = computed(kv, range(8)), computed(kv, range(100, 108))
     old_blocks, new_blocks = list(old.block_table), list(new.block_table)
     kv.free(old)
     kv.free(new)
