@@ -134,3 +134,29 @@ def test_abort_frees_blocks_at_the_next_step(make_engine):
     assert all(s.request_id != "a" for s in engine.scheduler.running)
     while engine.has_work:
         engine.step()
+
+
+async def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(make_engine, tiny_model):
+    from backends.base import UpstreamError
+    from backends.builtin.engine import AsyncLLMEngine
+
+    engine = make_engine(tiny_model, dtype="float64")
+    run = engine.runner.run
+
+    def broken_once(batch):
+        engine.runner.run = run
+        raise RuntimeError("simulated kernel failure")
+
+    engine.runner.run = broken_once
+    front = AsyncLLMEngine(engine)
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        try:
+            [out async for out in front.stream("doomed", [300, 301, 302], params)]
+            raise AssertionError("the failed step was not reported")
+        except UpstreamError as exc:
+            assert "simulated kernel failure" in exc.message
+        outputs = [out async for out in front.stream("fine", [300, 301, 302], params)]
+        assert len(outputs) == 4 and outputs[-1].finish_reason == "length"
+    finally:
+        front.shutdown()

@@ -11,10 +11,10 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
+from ..base import UpstreamError
 from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .kv_cache import KVCacheManager
@@ -44,7 +44,6 @@ class Request:
     params: SamplingParams
     stop: tuple[str, ...] = ()
     detokenizers: dict[int, Detokenizer] = field(default_factory=dict)
-    arrival: float = field(default_factory=time.monotonic)
     unfinished: int = 0  # choices still generating
 
     def __post_init__(self) -> None:
@@ -246,7 +245,7 @@ class AsyncLLMEngine:
                 log.exception("engine step failed")
                 for request_id in list(self.engine.requests):
                     self.engine.abort(request_id)
-                    self._deliver(request_id, exc)
+                    self._deliver(request_id, UpstreamError(f"the engine step failed: {exc}"))
                 continue
             for out in outputs:
                 self._deliver(out.request_id, out)
