@@ -145,11 +145,11 @@ def bench(
     tok = load_tokenizer(tokenizer) if dataset != "trace" or trace else None
 
     async def main() -> list[dict]:
+        conversations = build_dataset(dataset, tok, num_prompts, seed, opts)  # replies reset on every run
         await the_target.prepare()
         try:
             runs = []
             for rate in rates:
-                conversations = build_dataset(dataset, tok, num_prompts, seed, opts)
                 runs.append(await run_once(the_target, conversations, rate, burstiness, seed, max_concurrency,
                                            num_warmups, slo, dataset == "trace"))
                 print_summary(runs[-1])

@@ -154,7 +154,7 @@ class BuiltinBackend(Backend):
             return Health.DOWN
         if self.engine is None:
             return Health.LOADING
-        return Health.READY if self._async._thread.is_alive() else Health.DOWN
+        return Health.READY if self._async.alive else Health.DOWN
 
     async def load(self) -> Load:
         if self.engine is None:

@@ -204,6 +204,10 @@ class AsyncLLMEngine:
             if remaining:
                 self._send(("abort", request_id))
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def _send(self, command: tuple) -> None:
         self._inbox.put(command)
         self._wake.set()

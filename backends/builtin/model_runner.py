@@ -42,10 +42,6 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(cfg.num_hidden_layers)]
 
-    def kv_bytes_per_token(self) -> int:
-        per_block = self.kv_caches[0][0, 0].numel() * self.kv_caches[0].element_size() * 2
-        return per_block * len(self.kv_caches) // self.block_size
-
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)

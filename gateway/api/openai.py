@@ -21,16 +21,12 @@ from ..routing import ModelRouter
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
-# Fields this layer consumes; everything else a client sends is passed to the backend as `extra`.
-SAMPLING_FIELDS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
-                   "stream", "stream_options", "stop", "seed", "stop_token_ids", "ignore_eos"}
-
-
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
 class SamplingRequest(BaseModel):
+    # Fields not declared here reach the backend untouched, as `GenerateRequest.extra`.
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
@@ -48,7 +44,7 @@ class SamplingRequest(BaseModel):
 
     def generate_request(self, model: str, request_id: str, **prompt: Any) -> GenerateRequest:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        extra = {k: v for k, v in (self.model_extra or {}).items() if k not in SAMPLING_FIELDS}
+        extra = dict(self.model_extra or {})
         return GenerateRequest(
             request_id=request_id, model=model, max_tokens=self.max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), seed=self.seed,
