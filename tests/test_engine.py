@@ -62,6 +62,15 @@ def test_preemption_keeps_outputs_identical(make_engine, tiny_model):
     assert all(len(o) == 40 for o in want)
 
 
+def test_native_and_pytorch_attention_give_the_same_tokens(make_engine, default_model):
+    tok = default_model.tokenizer
+    prompts = [tok.encode(f"Story {i}: once upon a time") for i in range(5)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    native = make_engine(attention="native")
+    assert native.runner.use_kernel
+    assert run(native, prompts, params) == run(make_engine(attention="torch"), prompts, params)
+
+
 def test_preemption_on_real_model_matches(make_engine, default_model):
     tok = default_model.tokenizer
     prompts = [tok.encode(f"Count from {i} to {i + 30}:") for i in range(4)]

@@ -71,3 +71,25 @@ def test_top_k_and_top_p_filters():
     assert torch.allclose(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))  # 0.5 + 0.3 covers 0.7
     probs = _filtered_probs(logits, torch.tensor([4]), torch.tensor([0.1]))
     assert torch.allclose(probs, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))  # the top token always stays
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kernel_equals_the_pytorch_path(dtype):
+    from backends.builtin import kernels
+    from backends.builtin.attention import AttentionMetadata, paged_attention
+
+    assert kernels.available(torch.device("cpu"), dtype), kernels._failed
+    torch.manual_seed(0)
+    blocks, block_size, kv_heads, head_dim, heads = 64, 16, 3, 64, 9
+    tables = [[3, 7, 9, 11, 20], [1, 2], [30, 31, 32], [40]]
+    ctx = [70, 20, 40, 1]
+    cache = torch.randn(2, blocks, block_size, kv_heads, head_dim).to(dtype)
+    for q_lens in ([1, 1, 1, 1], [1, 5, 1, 1], [3, 5, 2, 1]):  # decode only, mixed, prefill chunks only
+        tokens = sum(q_lens)
+        q, k, v = (torch.randn(tokens, h, head_dim).to(dtype) for h in (heads, kv_heads, kv_heads))
+        outs = []
+        for use_kernel in (True, False):
+            meta = AttentionMetadata.build(q_lens, ctx, tables, block_size, torch.device("cpu"), use_kernel)
+            assert (meta.kernel is not None) == (use_kernel and 1 in q_lens)
+            outs.append(paged_attention(q, k, v, cache.clone(), meta, head_dim**-0.5).float())
+        assert (outs[0] - outs[1]).abs().max().item() < (1e-5 if dtype == torch.float32 else 2e-2)

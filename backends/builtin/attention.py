@@ -1,10 +1,16 @@
-"""Attention over the paged KV cache, batched across sequences in one call per layer.
+"""Attention over the paged KV cache, batched across sequences.
 
 The cache of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]`. A step's
-tokens arrive flattened (`[num_tokens, heads, head_dim]`); their K/V are written to their
-slots, then each sequence's context is gathered through its block table into a padded batch
-and attended with one SDPA call under a mask that is causal, bottom-right aligned (a chunk
-that follows cached tokens sees all of them) and hides padding.
+tokens arrive flattened (`[num_tokens, heads, head_dim]`); their K/V are first written to
+their slots. Then two paths read the cache, one call each per layer:
+
+- decode tokens (one new token in their sequence) go to the native kernel
+  (`csrc/paged_attention.cpp`), which reads the blocks in place: no gather, no padding;
+- every other token (prompt chunks, or everything when the kernel is off) goes to the
+  PyTorch path: each sequence's context is gathered through its block table into a padded
+  batch and attended with one SDPA call under a causal mask aligned bottom-right (a chunk that
+  follows cached tokens sees all of them) that also hides padding. It is the reference the
+  kernel is tested against, and the fallback where the kernel cannot be built.
 """
 
 from __future__ import annotations
@@ -14,64 +20,108 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import kernels
+
+
+@dataclass
+class GatherPart:
+    """Sequences attended by gather + SDPA."""
+
+    tokens: torch.Tensor  # [t] indices into the step's tokens
+    block_tables: torch.Tensor  # [b, max_blocks]
+    query_index: torch.Tensor  # [t] position of each token in the flattened [b * max_q] query pad
+    mask: torch.Tensor  # [b, 1, max_q, max_blocks * block_size], True where attention is allowed
+    max_q: int
+
+
+@dataclass
+class KernelPart:
+    """Decode tokens attended by the native kernel."""
+
+    tokens: torch.Tensor  # [t] indices into the step's tokens
+    block_tables: torch.Tensor  # [t, max_blocks]
+    positions: torch.Tensor  # [t] absolute position of each token
+
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
-    block_tables: torch.Tensor  # [B, max_blocks] padded with 0
-    query_index: torch.Tensor  # [T] position of each token in the flattened [B * max_q] query pad
-    mask: torch.Tensor  # [B, 1, max_q, max_blocks * block_size] True where attention is allowed
-    max_q: int
+    gather: GatherPart | None
+    kernel: KernelPart | None
 
     @classmethod
-    def build(
-        cls, q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]],
-        block_size: int, device: torch.device,
-    ) -> AttentionMetadata:
-        batch, max_q = len(q_lens), max(q_lens)
-        max_blocks = max(len(t) for t in block_tables)
-        tables = torch.zeros(batch, max_blocks, dtype=torch.long)
-        for b, table in enumerate(block_tables):
-            tables[b, : len(table)] = torch.tensor(table)
-        q_lens_t = torch.tensor(q_lens)
-        ctx_t = torch.tensor(ctx_lens)
-        seq_of_token = torch.repeat_interleave(torch.arange(batch), q_lens_t)
-        offset_in_q = torch.arange(len(seq_of_token)) - torch.repeat_interleave(
-            torch.cumsum(q_lens_t, 0) - q_lens_t, q_lens_t
-        )
-        positions = ctx_t[seq_of_token] - q_lens_t[seq_of_token] + offset_in_q
-        slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-        # Query row r of sequence b sits at absolute position ctx - max_q + r (bottom-right aligned).
-        q_pos = ctx_t[:, None] - max_q + torch.arange(max_q)[None, :]
-        k_pos = torch.arange(max_blocks * block_size)[None, None, :]
-        mask = k_pos <= q_pos[:, :, None]
-        mask |= (q_pos < 0)[:, :, None]  # padded query rows: any key, their output is dropped
-        mask &= k_pos < ctx_t[:, None, None]
-        query_index = seq_of_token * max_q + (max_q - q_lens_t[seq_of_token]) + offset_in_q
-        return cls(
-            slot_mapping=slots.to(device), block_tables=tables.to(device),
-            query_index=query_index.to(device), mask=mask[:, None].to(device), max_q=max_q,
-        )
+    def build(cls, q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], block_size: int,
+              device: torch.device, use_kernel: bool) -> AttentionMetadata:
+        starts = torch.cumsum(torch.tensor([0] + q_lens[:-1]), 0).tolist()
+        slots: list[int] = []
+        for q_len, ctx, table in zip(q_lens, ctx_lens, block_tables):
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx - q_len, ctx)]
+        decode = [i for i, q in enumerate(q_lens) if q == 1] if use_kernel else []
+        rest = [i for i in range(len(q_lens)) if i not in set(decode)]
+        kernel = gather = None
+        if decode:
+            kernel = KernelPart(
+                tokens=torch.tensor([starts[i] for i in decode], device=device),
+                block_tables=_pad([block_tables[i] for i in decode]).to(device),
+                positions=torch.tensor([ctx_lens[i] - 1 for i in decode], device=device),
+            )
+        if rest:
+            gather = _gather_part([q_lens[i] for i in rest], [ctx_lens[i] for i in rest],
+                                  [block_tables[i] for i in rest], [starts[i] for i in rest], block_size, device)
+        return cls(torch.tensor(slots, device=device), gather, kernel)
 
 
-def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-    meta: AttentionMetadata, scale: float,
-) -> torch.Tensor:
+def _pad(tables: list[list[int]]) -> torch.Tensor:
+    out = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.long)
+    for row, table in enumerate(tables):
+        out[row, : len(table)] = torch.tensor(table)
+    return out
+
+
+def _gather_part(q_lens, ctx_lens, tables, starts, block_size, device) -> GatherPart:
+    batch, max_q = len(q_lens), max(q_lens)
+    block_tables = _pad(tables)
+    q_lens_t, ctx_t = torch.tensor(q_lens), torch.tensor(ctx_lens)
+    seq_of_token = torch.repeat_interleave(torch.arange(batch), q_lens_t)
+    offset_in_q = torch.cat([torch.arange(q) for q in q_lens])
+    tokens = torch.tensor(starts)[seq_of_token] + offset_in_q
+    # Query row r of sequence b sits at absolute position ctx - max_q + r (bottom-right aligned).
+    q_pos = ctx_t[:, None] - max_q + torch.arange(max_q)[None, :]
+    k_pos = torch.arange(block_tables.shape[1] * block_size)[None, None, :]
+    mask = k_pos <= q_pos[:, :, None]
+    mask |= (q_pos < 0)[:, :, None]  # padded query rows: any key, their output is dropped
+    mask &= k_pos < ctx_t[:, None, None]
+    query_index = seq_of_token * max_q + (max_q - q_lens_t[seq_of_token]) + offset_in_q
+    return GatherPart(tokens.to(device), block_tables.to(device), query_index.to(device), mask[:, None].to(device),
+                      max_q)
+
+
+def _gather_attention(q: torch.Tensor, kv_cache: torch.Tensor, part: GatherPart, scale: float) -> torch.Tensor:
+    num_heads, head_dim = q.shape[1:]
+    batch = part.block_tables.shape[0]
+    # [b, max_blocks, block_size, Hkv, D] -> [b, Hkv, L, D]
+    keys = kv_cache[0][part.block_tables].flatten(1, 2).transpose(1, 2)
+    values = kv_cache[1][part.block_tables].flatten(1, 2).transpose(1, 2)
+    queries = q.new_zeros(batch * part.max_q, num_heads, head_dim)
+    queries[part.query_index] = q
+    queries = queries.view(batch, part.max_q, num_heads, head_dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=part.mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(batch * part.max_q, num_heads, head_dim)[part.query_index]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, N, block_size, Hkv, D] -> [T, H, D]."""
-    num_tokens, num_heads, head_dim = q.shape
-    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     flat[0].index_copy_(0, meta.slot_mapping, k)
     flat[1].index_copy_(0, meta.slot_mapping, v)
-    batch = meta.block_tables.shape[0]
-    # [B, max_blocks, block_size, Hkv, D] -> [B, Hkv, L, D]
-    keys = kv_cache[0][meta.block_tables].flatten(1, 2).transpose(1, 2)
-    values = kv_cache[1][meta.block_tables].flatten(1, 2).transpose(1, 2)
-    queries = q.new_zeros(batch * meta.max_q, num_heads, head_dim)
-    queries[meta.query_index] = q
-    queries = queries.view(batch, meta.max_q, num_heads, head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=meta.mask, scale=scale, enable_gqa=True
-    )
-    return out.transpose(1, 2).reshape(batch * meta.max_q, num_heads, head_dim)[meta.query_index]
+    if meta.kernel is not None and meta.gather is None:  # a pure decode step: no reordering needed
+        return kernels.paged_attention(q, kv_cache, meta.kernel.block_tables, meta.kernel.positions, scale)
+    out = torch.empty_like(q)
+    if meta.kernel is not None:
+        part = meta.kernel
+        out[part.tokens] = kernels.paged_attention(q[part.tokens], kv_cache, part.block_tables, part.positions, scale)
+    if meta.gather is not None:
+        out[meta.gather.tokens] = _gather_attention(q[meta.gather.tokens], kv_cache, meta.gather, scale)
+    return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels
 from .attention import AttentionMetadata
 from .config import EngineConfig
 from .loader import LoadedModel
@@ -41,6 +42,11 @@ class ModelRunner:
         # Zeroed, not empty: masked-out slots still enter the attention product, and NaN garbage would spread.
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(cfg.num_hidden_layers)]
+        if config.attention not in ("auto", "native", "torch"):
+            raise ValueError(f"unknown attention {config.attention!r} (auto, native, torch)")
+        self.use_kernel = config.attention != "torch" and kernels.available(self.device, self.dtype)
+        if config.attention == "native" and not self.use_kernel:
+            raise ValueError(f"the native attention kernel does not serve {self.device} / {config.dtype} here")
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in copies], device=self.device)
@@ -63,9 +69,8 @@ class ModelRunner:
             if start + n == len(seq):
                 logits_index.append(len(input_ids) - 1)
                 done.append(seq)
-        meta = AttentionMetadata.build(
-            batch.num_new_tokens, ctx_lens, [s.block_table for s in batch.seqs], self.block_size, self.device
-        )
+        meta = AttentionMetadata.build(batch.num_new_tokens, ctx_lens, [s.block_table for s in batch.seqs],
+                                       self.block_size, self.device, self.use_kernel)
         logits = self.model(
             torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
             self.kv_caches, meta, torch.tensor(logits_index, dtype=torch.long, device=self.device),

@@ -1,0 +1,122 @@
+// Exact attention read straight from the paged KV cache, for CPUs.
+//
+// One work item per query token: it reads its sequence's keys and values once, block by block
+// through the block table, for all query heads (GQA: heads share their KV head's rows), with a
+// numerically safe two-pass softmax in float32. Token t of sequence s at absolute
+// position p sees keys 0..p (causal, and a chunk after cached tokens sees all of them).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+// exp for x <= 0 (scores minus their max), written so that loops over it vectorize: Cephes' expf
+// range reduction and polynomial, about 1 ulp in float32; below -87 it returns about 0.
+static inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return e * scale;
+}
+
+// Attention of one query token (all its heads) over keys 0..position of its sequence, reading
+// the cache block by block through the sequence's block table.
+template <typename scalar_t, int64_t D>
+static void attend(const float* q, const scalar_t* key_cache, const scalar_t* value_cache, const int64_t* table,
+                   int64_t position, int64_t heads, int64_t kv_heads, int64_t block_size, float scale,
+                   std::vector<float>& scores, float* out) {
+  const int64_t len = position + 1, group = heads / kv_heads, slot_stride = kv_heads * D;
+  const int64_t blocks = (len + block_size - 1) / block_size;
+  scores.resize(heads * len);
+  // Pass 1: scores, every head of a slot at once (the slot's rows are contiguous).
+  for (int64_t b = 0, j = 0; b < blocks; ++b) {
+    const scalar_t* k_block = key_cache + table[b] * block_size * slot_stride;
+    for (int64_t i = 0; i < block_size && j < len; ++i, ++j) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* qh = q + h * D;
+        const scalar_t* k = k_block + i * slot_stride + (h / group) * D;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t d = 0; d < D; ++d) acc += qh[d] * static_cast<float>(k[d]);
+        scores[h * len + j] = acc * scale;
+      }
+    }
+  }
+  // Pass 2: softmax per head.
+  for (int64_t h = 0; h < heads; ++h) {
+    float* s = scores.data() + h * len;
+    const float max = *std::max_element(s, s + len);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < len; ++j) {
+      s[j] = exp_nonpositive(s[j] - max);
+      sum += s[j];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) s[j] *= inv;
+  }
+  // Pass 3: weighted values, one head at a time so its accumulator stays in registers.
+  for (int64_t h = 0; h < heads; ++h) {
+    float acc[D] = {};
+    const float* w = scores.data() + h * len;
+    for (int64_t b = 0, j = 0; b < blocks; ++b) {
+      const scalar_t* v_block = value_cache + table[b] * block_size * slot_stride + (h / group) * D;
+      for (int64_t i = 0; i < block_size && j < len; ++i, ++j) {
+        const scalar_t* v = v_block + i * slot_stride;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) acc[d] += w[j] * static_cast<float>(v[d]);
+      }
+    }
+    std::copy(acc, acc + D, out + h * D);
+  }
+}
+
+// query [T, H, D] float32; caches [N, block_size, Hkv, D]; block_tables [T, max_blocks] int64 (the
+// table of each token's sequence); positions [T] int64 (each token's absolute position).
+torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                              torch::Tensor block_tables, torch::Tensor positions, double scale) {
+  TORCH_CHECK(query.dtype() == torch::kFloat32 && query.is_contiguous(), "query must be contiguous float32");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(block_tables.dtype() == torch::kInt64 && positions.dtype() == torch::kInt64, "indices must be int64");
+  const int64_t tokens = query.size(0), heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
+  auto out = torch::empty_like(query);
+  const float* q = query.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t max_blocks = block_tables.size(1);
+  TORCH_CHECK(head_dim == 64 || head_dim == 128, "head_dim must be 64 or 128, got ", head_dim);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key_cache.scalar_type(), "paged_attention", [&] {
+    const scalar_t* kc = key_cache.data_ptr<scalar_t>();
+    const scalar_t* vc = value_cache.data_ptr<scalar_t>();
+    auto one = head_dim == 64 ? attend<scalar_t, 64> : attend<scalar_t, 128>;
+    at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t t = begin; t < end; ++t) {
+        one(q + t * heads * head_dim, kc, vc, tables + t * max_blocks, pos[t], heads, kv_heads, block_size,
+            static_cast<float>(scale), scores, o + t * heads * head_dim);
+      }
+    });
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "Exact attention over a paged KV cache (CPU)");
+}

@@ -1,0 +1,92 @@
+"""Decode-step cost of the built-in engine against its bound, on the default model.
+
+The bound is what any exact implementation must do for one decode step: the model's weight
+GEMMs at batch B, plus one exact attention pass over the same KV laid out contiguously.
+Usage: python benchmarks/decode_step.py [--batch 32] [--context 512] [--steps 20] [--attention auto|native|torch]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from backends.builtin.config import EngineConfig
+from backends.builtin.engine import LLMEngine
+from backends.builtin.sequence import SamplingParams
+
+
+def timed(fn, repeat: int) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - start) / repeat
+
+
+def bound_ms(engine: LLMEngine, batch: int, context: int, repeat: int) -> tuple[float, float]:
+    """(bare weight GEMMs, contiguous exact attention) in ms for one decode step."""
+    model, cfg = engine.runner.model, engine.loaded.config
+    dtype = engine.runner.dtype
+    x = torch.randn(batch, cfg.hidden_size, dtype=dtype)
+    h = torch.randn(batch, cfg.intermediate_size, dtype=dtype)
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+
+    @torch.inference_mode()
+    def gemms():
+        for _ in range(cfg.num_hidden_layers):
+            attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), attn.o_proj(x)
+            mlp.gate_proj(x), mlp.up_proj(x), mlp.down_proj(h)
+        model.lm_head(x)
+
+    q = torch.randn(batch, cfg.num_attention_heads, 1, cfg.head_dim, dtype=dtype)
+    k = torch.randn(batch, cfg.num_key_value_heads, context, cfg.head_dim, dtype=dtype)
+    v = torch.randn_like(k)
+
+    @torch.inference_mode()
+    def attention():
+        for _ in range(cfg.num_hidden_layers):
+            F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    return timed(gemms, repeat) * 1000, timed(attention, repeat) * 1000
+
+
+def decode_step_ms(engine: LLMEngine, batch: int, context: int, steps: int) -> float:
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"r{i}", [(i * 131 + j * 7) % 40000 + 100 for j in range(context)], params)
+    sched = engine.scheduler
+    while sched.waiting or any(s.num_output_tokens == 0 for s in sched.running):
+        engine.step()  # prefill everything first
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = (time.perf_counter() - start) / steps * 1000
+    for i in range(batch):
+        engine.abort(f"r{i}")
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--attention", default="auto", help="auto | native | torch")
+    args = parser.parse_args()
+    engine = LLMEngine(EngineConfig(kv_cache_tokens=args.batch * (args.context + args.steps + 32),
+                                    attention=args.attention))
+    step = decode_step_ms(engine, args.batch, args.context, args.steps)
+    gemm, attention = bound_ms(engine, args.batch, args.context, args.steps)
+    bound = gemm + attention
+    kind = "native kernel" if engine.runner.use_kernel else "PyTorch gather + SDPA"
+    print(f"decode step ({kind}), batch {args.batch}, context {args.context}: {step:.1f} ms")
+    print(f"bound: bare GEMMs {gemm:.1f} ms + contiguous attention {attention:.1f} ms = {bound:.1f} ms")
+    print(f"ratio: {step / bound:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
