@@ -99,6 +99,8 @@ class Load:
     waiting: int = 0
     kv_usage: float = 0.0  # fraction of KV cache in use, 0..1
     prefix_hit_rate: float | None = None  # hit tokens / queried tokens
+    # Runtime-specific figures (KV blocks, preemptions...): gauges, or running totals named *_total.
+    details: dict[str, float] = field(default_factory=dict)
 
 
 class BackendError(Exception):

@@ -10,7 +10,7 @@ from fastapi import FastAPI
 
 from backends.base import Backend
 
-from .api import health, openai
+from .api import health, metrics, openai
 from .errors import install_error_handlers
 from .routing import ModelRouter
 
@@ -41,5 +41,6 @@ def create_app(backends: dict[str, Backend]) -> FastAPI:
     app.state.router = ModelRouter(backends)
     install_error_handlers(app)
     app.include_router(health.router)
+    app.include_router(metrics.router)
     app.include_router(openai.router)
     return app

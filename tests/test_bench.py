@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from advisor.bench.arrivals import arrival_times
 from advisor.bench.datasets import Conversation, Turn, shared_prefix_dataset, trace_dataset
-from advisor.bench.metrics import RequestResult, parse_goodput, summarize
+from advisor.bench.metrics import RequestResult, kv_summary, parse_goodput, summarize
 from backends.builtin import BuiltinBackend, EngineConfig
 from gateway.app import create_app
 from gateway.cli import app
@@ -58,6 +58,25 @@ def test_goodput_counts_every_slo_and_rejects_bad_specs():
     for bad in (["itl:5"], ["ttft"], ["ttft:-1"]):
         with pytest.raises(ValueError, match="goodput"):
             parse_goodput(bad)
+
+
+def test_kv_summary_takes_the_peak_sample_and_counter_deltas():
+    samples = [
+        {"kv_blocks_total": 100, "kv_blocks_used": 0, "kv_live_token_fraction": 1.0, "running": 0,
+         "preemptions_total": 2, "admitted_requests_total": 10, "queue_delay_seconds_total": 1.0,
+         "kv_slot_steps_total": 1000, "kv_live_token_steps_total": 900},
+        {"kv_blocks_total": 100, "kv_blocks_used": 40, "kv_live_token_fraction": 0.95, "running": 7,
+         "preemptions_total": 3, "admitted_requests_total": 14, "queue_delay_seconds_total": 1.2,
+         "kv_slot_steps_total": 5000, "kv_live_token_steps_total": 4700},
+        {"kv_blocks_total": 100, "kv_blocks_used": 10, "kv_live_token_fraction": 0.85, "running": 2,
+         "preemptions_total": 5, "admitted_requests_total": 20, "queue_delay_seconds_total": 1.5,
+         "kv_slot_steps_total": 9000, "kv_live_token_steps_total": 8100},
+    ]
+    s = kv_summary(samples)
+    assert (s["kv_peak_blocks_used"], s["kv_live_token_fraction_at_peak"], s["peak_running"]) == (40, 0.95, 7)
+    assert s["kv_live_token_fraction"] == pytest.approx(7200 / 8000)  # from the counters' deltas
+    assert s["preemptions"] == 3 and s["mean_queue_delay_ms"] == pytest.approx(50.0)
+    assert kv_summary([]) == {}
 
 
 def test_poisson_and_gamma_arrivals_have_the_asked_rate_and_burstiness():
@@ -120,6 +139,10 @@ def test_bench_end_to_end_against_servegate_serve(server, tmp_path):
     assert data["request_goodput"] == pytest.approx(data["request_throughput"])
     assert data["total_cached_tokens"] > 0  # the groups' shared prefixes hit the cache
     assert len(data["ttfts"]) == 8 and all(len(itl) == 5 for itl in data["itls"])
+    # KV accounting, sampled from the server's /metrics during the run.
+    assert data["kv_blocks_total"] == backend.engine.kv.num_blocks
+    assert 0 < data["kv_live_token_fraction"] <= 1
+    assert data["preemptions"] == 0 and data["mean_queue_delay_ms"] >= 0
 
 
 def test_bench_reports_failures_instead_of_crashing(server, tmp_path):

@@ -133,6 +133,20 @@ def test_stop_strings_and_stop_tokens(make_engine, default_model):
     assert cut == full_ids[: full_ids.index(full_ids[3]) + 1]
 
 
+def test_stats_count_live_tokens_once_per_block(make_engine, tiny_model):
+    engine = make_engine(tiny_model, dtype="float64")
+    params = SamplingParams(max_tokens=2, temperature=1.0, seed=1, n=2, ignore_eos=True)
+    engine.add_request("r", [400 + i for i in range(20)], params)  # 2 blocks, shared by the forks
+    engine.step()
+    stats = engine.stats()
+    assert stats["running"] == 2 and stats["kv_blocks_used"] == 2
+    assert stats["kv_live_token_fraction"] == 20 / 32
+    assert stats["admitted_requests_total"] == 1 and stats["queue_delay_seconds_total"] >= 0
+    while engine.has_work:
+        engine.step()
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
 def test_abort_frees_blocks_at_the_next_step(make_engine):
     engine = make_engine()
     engine.add_request("a", list(range(100, 180)), SamplingParams(max_tokens=50, temperature=0.0))

@@ -49,6 +49,19 @@ def test_probes_and_models(base_url, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_metrics_expose_kv_and_scheduling_figures(base_url, client, backend):
+    client.completions.create(model=MODEL, prompt="Metrics please " * 12, max_tokens=3)
+    client.completions.create(model=MODEL, prompt="Metrics please " * 12, max_tokens=3)
+    text = httpx.get(f"{base_url[0]}/metrics").text
+    figures = {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("servegate_backend_")}
+    assert figures["servegate_backend_kv_blocks_total"] == backend.engine.kv.num_blocks
+    assert figures["servegate_backend_prefix_cache_hits_total"] >= 16  # the repeated prompt hit the cache
+    for name in ("kv_blocks_used", "kv_blocks_cached", "kv_live_token_fraction", "preemptions_total",
+                 "recomputed_tokens_total", "queue_delay_seconds_total", "running", "waiting", "kv_usage"):
+        assert f"servegate_backend_{name}" in figures
+
+
 def test_chat_greedy_equals_transformers(client, hf_model, default_model):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     tok = default_model.tokenizer

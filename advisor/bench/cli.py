@@ -22,10 +22,16 @@ from .datasets import (
     shared_prefix_dataset,
     trace_dataset,
 )
-from .metrics import parse_goodput, summarize
-from .runner import measure, run_workload
+from .metrics import kv_summary, parse_goodput, summarize
+from .runner import measure, run_workload, sample_engine
 
 console = Console(stderr=True)
+SHOWN = (  # the summary keys printed after a run (the JSON holds them all)
+    "completed", "failed", "duration", "request_throughput", "request_goodput", "output_throughput",
+    "total_token_throughput", "total_cached_tokens", "kv_peak_blocks_used", "kv_live_token_fraction",
+    "preemptions", "mean_queue_delay_ms", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
+    "median_itl_ms", "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms",
+)
 
 
 def load_tokenizer(path: str | None):
@@ -82,9 +88,10 @@ async def run_once(target, conversations: list[Conversation], rate: float, burst
     columns = (TextColumn(f"rate {rate:g}/s"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("bench", total=total)
-        results, duration = await run_workload(target, conversations, arrivals, max_concurrency,
-                                               on_result=lambda _: progress.advance(task))
-    summary = summarize(results, duration, slo or None)
+        async with sample_engine(target) as samples:
+            results, duration = await run_workload(target, conversations, arrivals, max_concurrency,
+                                                   on_result=lambda _: progress.advance(task))
+    summary = summarize(results, duration, slo or None) | kv_summary(samples)
     summary.update(request_rate=rate, burstiness=burstiness, max_concurrency=max_concurrency,
                    ttfts=[r.ttft for r in results], itls=[r.itl for r in results],
                    input_lens=[r.prompt_tokens for r in results], output_lens=[r.output_tokens for r in results],
@@ -96,9 +103,7 @@ def print_summary(summary: dict) -> None:
     table = Table(title=f"request rate {summary['request_rate']:g}/s")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for key in ("completed", "failed", "duration", "request_throughput", "request_goodput", "output_throughput",
-                "total_token_throughput", "total_cached_tokens", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
-                "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms"):
+    for key in SHOWN:
         value = summary.get(key)
         table.add_row(key, "-" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value))
     console.print(table)

@@ -88,3 +88,27 @@ def summarize(results: list[RequestResult], duration: float, slo_ms: dict[str, f
     for name in METRICS:
         summary.update(_stats(name, series[name], percentiles))
     return summary
+
+
+def kv_summary(samples: list[dict[str, float]]) -> dict:
+    """KV accounting over the engine figures sampled during a run (servegate engines report them)."""
+    if not samples:
+        return {}
+    peak = max(samples, key=lambda s: s.get("kv_blocks_used", 0))
+    first, last = samples[0], samples[-1]
+
+    def delta(key: str) -> float:
+        return last.get(key, 0.0) - first.get(key, 0.0)
+
+    admitted, slot_steps = delta("admitted_requests_total"), delta("kv_slot_steps_total")
+    return {
+        "kv_blocks_total": peak.get("kv_blocks_total"),
+        "kv_peak_blocks_used": peak.get("kv_blocks_used"),
+        "kv_live_token_fraction_at_peak": peak.get("kv_live_token_fraction"),
+        # Over every engine step of the run: live tokens / allocated slots.
+        "kv_live_token_fraction": delta("kv_live_token_steps_total") / slot_steps if slot_steps else None,
+        "peak_running": max(s.get("running", 0) for s in samples),
+        "preemptions": delta("preemptions_total"),
+        "recomputed_tokens": delta("recomputed_tokens_total"),
+        "mean_queue_delay_ms": delta("queue_delay_seconds_total") / admitted * 1000 if admitted else None,
+    }

@@ -46,6 +46,39 @@ async def measure(target, prompt: str, max_tokens: int, run_start: float) -> tup
     return result, "".join(pieces)
 
 
+SAMPLE_INTERVAL = 0.25  # seconds between samples of the target's engine figures
+
+
+@contextlib.asynccontextmanager
+async def sample_engine(target):
+    """Collects the target's engine figures (KV blocks, preemptions...) while the block runs,
+    if it reports them; one last sample is taken at the end."""
+    samples: list[dict[str, float]] = []
+
+    async def sample() -> bool:
+        try:
+            figures = await target.engine_figures()
+        except Exception:  # figures are a bonus: a target without them is still measured
+            return False
+        if figures:
+            samples.append(figures)
+        return bool(figures)
+
+    async def poll() -> None:
+        while await sample():
+            await asyncio.sleep(SAMPLE_INTERVAL)
+
+    task = asyncio.create_task(poll())
+    try:
+        yield samples
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        if samples:
+            await sample()
+
+
 async def run_workload(target, conversations: list[Conversation], arrivals: list[float] | None = None,
                        max_concurrency: int | None = None,
                        on_result: Callable[[RequestResult], None] | None = None) -> tuple[list[RequestResult], float]:

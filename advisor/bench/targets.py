@@ -50,6 +50,21 @@ async def _sse_events(response: httpx.Response) -> AsyncIterator[dict]:
         yield event
 
 
+async def _scrape_servegate(client: httpx.AsyncClient, headers: dict) -> dict[str, float] | None:
+    """A servegate server's engine figures from its /metrics (first model); None if it has none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = await client.get("/metrics", headers=headers)
+    if response.status_code != 200:
+        return None
+    figures = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if sample.name.startswith("servegate_backend_") and not sample.name.endswith("_created"):
+                figures.setdefault(sample.name.removeprefix("servegate_backend_"), sample.value)
+    return figures or None
+
+
 async def _checked(response: httpx.Response) -> None:
     if response.status_code != 200:
         body = (await response.aread()).decode(errors="replace")
@@ -82,6 +97,9 @@ class OpenAITarget:
                     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                     yield Counts(usage.get("prompt_tokens"), usage.get("completion_tokens"), cached)
 
+    async def engine_figures(self) -> dict[str, float] | None:
+        return await _scrape_servegate(self.client, self.headers)
+
     async def close(self) -> None:
         await self.client.aclose()
 
@@ -109,6 +127,9 @@ class TGITarget:
                 if details:
                     yield Counts(details.get("input_length"), details.get("generated_tokens"))
 
+    async def engine_figures(self) -> dict[str, float] | None:
+        return await _scrape_servegate(self.client, self.headers)
+
     async def close(self) -> None:
         await self.client.aclose()
 
@@ -130,6 +151,9 @@ class BackendTarget:
                 yield event.text
             elif isinstance(event, Finish):
                 yield Counts(event.usage.prompt_tokens, event.usage.completion_tokens, event.usage.cached_tokens)
+
+    async def engine_figures(self) -> dict[str, float] | None:
+        return (await self.backend.load()).details or None
 
     async def close(self) -> None:
         await self.backend.close()

@@ -157,12 +157,14 @@ class BuiltinBackend(Backend):
         return Health.READY if self._async.alive else Health.DOWN
 
     async def load(self) -> Load:
-        if self.engine is None:
+        if self._async is None:
             return Load()
-        kv, sched = self.engine.kv, self.engine.scheduler
+        stats = self._async.stats
+        queries = stats["prefix_cache_queries_total"]
         return Load(
-            running=len(sched.running), waiting=len(sched.waiting), kv_usage=kv.num_used / kv.num_blocks,
-            prefix_hit_rate=kv.hit_tokens / kv.query_tokens if kv.query_tokens else None,
+            running=stats["running"], waiting=stats["waiting"],
+            kv_usage=stats["kv_blocks_used"] / stats["kv_blocks_total"],
+            prefix_hit_rate=stats["prefix_cache_hits_total"] / queries if queries else None, details=stats,
         )
 
     async def tokenize(self, text: str) -> list[int]:

@@ -68,6 +68,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.computed_prompt_tokens = 0  # prefill tokens actually run through the model
         self.steps = 0
+        self.slot_steps = self.live_token_steps = 0  # KV slots allocated / holding live tokens, summed over steps
 
     # -- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -107,6 +108,32 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    def live_tokens(self) -> int:
+        """Tokens held in used KV blocks, a shared block counted once."""
+        bs = self.kv.block_size
+        filled: dict[int, int] = {}
+        for seq in self.scheduler.running:
+            for i, block in enumerate(seq.block_table):
+                filled[block] = max(filled.get(block, 0), min(bs, max(0, seq.num_computed_tokens - i * bs)))
+        return sum(filled.values())
+
+    def stats(self) -> dict[str, float]:
+        """KV and scheduling figures. Reads live state: call it from the thread that runs steps."""
+        kv, sched, bs = self.kv, self.scheduler, self.kv.block_size
+        return {
+            "running": len(sched.running), "waiting": len(sched.waiting),
+            "kv_blocks_total": kv.num_blocks, "kv_blocks_used": kv.num_used, "kv_blocks_free": kv.num_free,
+            "kv_blocks_cached": kv.num_cached,
+            # Of the slots in allocated blocks, the fraction holding a live token (1.0 when none are).
+            "kv_live_token_fraction": self.live_tokens() / (kv.num_used * bs) if kv.num_used else 1.0,
+            # Summed over steps, so that a run's average is a ratio of two deltas.
+            "kv_slot_steps_total": self.slot_steps, "kv_live_token_steps_total": self.live_token_steps,
+            "prefix_cache_queries_total": kv.query_tokens, "prefix_cache_hits_total": kv.hit_tokens,
+            "kv_evictions_total": kv.evictions, "preemptions_total": sched.num_preemptions,
+            "recomputed_tokens_total": sched.recomputed_tokens, "queue_delay_seconds_total": sched.queue_delay_sum,
+            "admitted_requests_total": sched.num_admitted, "steps_total": self.steps,
+        }
+
     # -- the step -----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()
@@ -122,6 +149,8 @@ class LLMEngine:
                 self.computed_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += n
             self.kv.cache_full_blocks(seq)
+        self.slot_steps += self.kv.num_used * self.kv.block_size
+        self.live_token_steps += self.live_tokens()
         to_sample, rows = [], []
         for row, seq in enumerate(done):
             group = [seq]
@@ -182,6 +211,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stopped = False
+        self.stats = engine.stats()  # a snapshot, refreshed by the engine thread at every step boundary
         self._thread = threading.Thread(target=self._loop, name="servegate-engine", daemon=True)
         self._thread.start()
 
@@ -239,6 +269,7 @@ class AsyncLLMEngine:
     def _loop(self) -> None:
         while not self._stopped:
             self._drain_inbox()
+            self.stats = self.engine.stats()
             if not self.engine.has_work:
                 self._wake.wait()
                 self._wake.clear()

@@ -10,6 +10,7 @@ blocks usually make that cheap). Nothing it generated is lost: its tokens stay i
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -36,6 +37,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.recomputed_tokens = 0
+        self.queue_delay_sum = 0.0  # seconds from arrival to first admission, summed
+        self.num_admitted = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -69,6 +72,9 @@ class Scheduler:
             if not self.kv.allocate(seq, n, hits):
                 break
             self.waiting.popleft()
+            if not seq.num_preemptions:
+                self.queue_delay_sum += time.monotonic() - seq.arrival
+                self.num_admitted += 1
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)

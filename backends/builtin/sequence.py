@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +54,7 @@ class Sequence:
     generator: torch.Generator | None = None
     seq_id: int = field(default_factory=lambda: next(_ids))
     num_preemptions: int = 0
+    arrival: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
