@@ -38,8 +38,7 @@ def bound_ms(engine: LLMEngine, batch: int, context: int, repeat: int) -> tuple[
     @torch.inference_mode()
     def gemms():
         for _ in range(cfg.num_hidden_layers):
-            attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), attn.o_proj(x)
-            mlp.gate_proj(x), mlp.up_proj(x), mlp.down_proj(h)
+            attn.qkv_proj(x), attn.o_proj(x), mlp.gate_up_proj(x), mlp.down_proj(h)
         model.lm_head(x)
 
     q = torch.randn(batch, cfg.num_attention_heads, 1, cfg.head_dim, dtype=dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import numpy as np
@@ -9,8 +10,11 @@ import pytest
 from typer.testing import CliRunner
 
 from advisor.bench.arrivals import arrival_times
+from advisor.bench.baselines import HFStaticBackend
 from advisor.bench.datasets import Conversation, Turn, shared_prefix_dataset, trace_dataset
-from advisor.bench.metrics import RequestResult, kv_summary, parse_goodput, summarize
+from advisor.bench.metrics import RequestResult, knee, kv_summary, parse_goodput, summarize
+from advisor.bench.plot import plot_sweep
+from backends.base import GenerateRequest
 from backends.builtin import BuiltinBackend, EngineConfig
 from gateway.app import create_app
 from gateway.cli import app
@@ -154,3 +158,47 @@ def test_bench_reports_failures_instead_of_crashing(server, tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["completed"] == 0 and data["failed"] == 3 and "404" in data["errors"][0]
+
+
+def test_knee_is_the_highest_rate_meeting_the_slo(tmp_path):
+    def run(rate, good, total=10, duration=10.0):
+        return {"request_rate": rate, "request_goodput": good * total / duration, "duration": duration,
+                "completed": total, "failed": 0, "p99_ttft_ms": 100.0 * rate, "p99_e2el_ms": 300.0 * rate}
+
+    runs = [run(1, 1.0), run(2, 0.95), run(4, 0.7), run(8, 0.2)]
+    assert knee(runs, 0.9) == 2 and knee(runs, 0.5) == 4 and knee(runs, 0.99) == 1
+    assert knee([run(1, 0.1)], 0.9) is None
+    out = tmp_path / "sweep.png"
+    plot_sweep({"a": {"runs": runs, "knee_request_rate": 2}}, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+async def test_hf_static_batches_and_streams(tiny_model_dir):
+    backend = HFStaticBackend(tiny_model_dir, max_batch_size=4)
+    await backend.start()
+    try:
+        async def one(i, max_tokens):
+            events = [e async for e in backend.generate(GenerateRequest(
+                request_id=str(i), prompt=f"request {i} " * (i + 1), max_tokens=max_tokens, ignore_eos=True))]
+            return events
+        results = await asyncio.gather(*(one(i, 3 + i) for i in range(3)))
+    finally:
+        await backend.close()
+    for i, events in enumerate(results):
+        deltas, finish = events[:-1], events[-1]
+        assert len(deltas) == 3 + i and finish.usage.completion_tokens == 3 + i  # its own max, not the batch's
+        assert finish.finish_reasons == ("length",)
+
+
+def test_compare_runs_the_same_workload_against_the_peers(tmp_path):
+    out = tmp_path / "compare.json"
+    result = CliRunner().invoke(app, [
+        "bench", "--compare", "builtin,llama-cpp", "--dataset", "random", "--num-prompts", "3",
+        "--random-input-len", "16", "--random-output-len", "4", "--max-concurrency", "2", "--num-warmups", "0",
+        "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())["compare"]
+    assert set(data) == {"builtin", "llama-cpp"}
+    assert all(d["completed"] == 3 and d["failed"] == 0 for d in data.values())
+    assert data["builtin"]["total_output_tokens"] == 12  # ignore_eos honoured; llama-cpp may stop earlier
+    assert "builtin / llama-cpp" in result.output

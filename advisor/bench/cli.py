@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -14,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .arrivals import arrival_times
+from .baselines import SYSTEMS, system_target
 from .datasets import (
     DATASETS,
     Conversation,
@@ -22,7 +24,8 @@ from .datasets import (
     shared_prefix_dataset,
     trace_dataset,
 )
-from .metrics import kv_summary, parse_goodput, summarize
+from .metrics import knee, kv_summary, parse_goodput, summarize
+from .plot import plot_sweep
 from .runner import measure, run_workload, sample_engine
 
 console = Console(stderr=True)
@@ -109,6 +112,27 @@ def print_summary(summary: dict) -> None:
     console.print(table)
 
 
+COMPARED = ("output_throughput", "request_goodput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+            "median_itl_ms", "median_e2el_ms", "completed", "failed")
+
+
+def print_comparison(results: dict[str, dict], names: list[str]) -> None:
+    """One table, systems side by side, with the first system's ratio to each other one."""
+    first, others = names[0], names[1:]
+    table = Table(title="comparison (single rate; for a sweep see the JSON)")
+    table.add_column("metric")
+    for name in names:
+        table.add_column(name, justify="right")
+    for name in others:
+        table.add_column(f"{first} / {name}", justify="right")
+    for key in COMPARED:
+        values = [results[n].get(key) for n in names]
+        cells = ["-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v) for v in values]
+        ratios = [f"{values[0] / v:.2f}x" if values[0] is not None and v else "-" for v in values[1:]]
+        table.add_row(key, *cells, *ratios)
+    console.print(table)
+
+
 def bench(
     target: Annotated[str | None, typer.Option(help="Base URL of the server to measure.")] = None,
     protocol: Annotated[str, typer.Option(help="openai (/v1/completions) | tgi (/generate_stream)")] = "openai",
@@ -134,7 +158,14 @@ def bench(
     goodput: Annotated[list[str] | None, typer.Option(help="SLO as KEY:MS (ttft, tpot, e2el); repeatable.")] = None,
     seed: Annotated[int, typer.Option()] = 0,
     sweep: Annotated[str | None, typer.Option(help="Comma-separated request rates to run in turn.")] = None,
+    slo_attainment: Annotated[float, typer.Option(help="Share of requests meeting --goodput for a rate to count "
+                                                        "as meeting the SLO in a sweep.")] = 0.9,
+    compare: Annotated[str | None, typer.Option(help="Systems to run the same workload against in turn, e.g. "
+                                                      "builtin,hf-static,llama-cpp (they are started and stopped "
+                                                      "here).")] = None,
     output: Annotated[Path | None, typer.Option(help="Write the results as JSON here.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="With --sweep: plot goodput and p99 latency against rate "
+                                                   "(PNG or SVG).")] = None,
 ) -> None:
     """Measure a serving target: TTFT, ITL, TPOT, end-to-end latency, throughput and SLO goodput."""
     try:
@@ -146,10 +177,14 @@ def bench(
                 random_range_ratio=random_range_ratio, gsp_num_groups=gsp_num_groups,
                 gsp_system_prompt_len=gsp_system_prompt_len, gsp_question_len=gsp_question_len,
                 gsp_output_len=gsp_output_len, multi_turn_turns=multi_turn_turns, trace=trace)
-    the_target = make_target(target, protocol, backend, model, api_key)
     tok = load_tokenizer(tokenizer) if dataset != "trace" or trace else None
+    names = compare.split(",") if compare else [None]
+    for name in names:
+        if name is not None and name not in SYSTEMS:
+            raise typer.BadParameter(f"unknown system {name!r} (choose from {', '.join(SYSTEMS)})",
+                                     param_hint="--compare")
 
-    async def main() -> list[dict]:
+    async def measure_all(the_target) -> list[dict]:
         conversations = build_dataset(dataset, tok, num_prompts, seed, opts)  # replies reset on every run
         await the_target.prepare()
         try:
@@ -162,9 +197,29 @@ def bench(
         finally:
             await the_target.close()
 
-    runs = asyncio.run(main())
-    result = {"target": the_target.name, "dataset": dataset, "num_prompts": num_prompts, "seed": seed,
-              "goodput_slo_ms": slo, **(runs[0] if len(runs) == 1 else {"runs": runs})}
+    results: dict[str, list[dict]] = {}
+    for name in names:
+        with system_target(name, model) if name else contextlib.nullcontext(
+                make_target(target, protocol, backend, model, api_key)) as the_target:
+            console.print(f"measuring {name or the_target.name}")
+            results[name or the_target.name] = asyncio.run(measure_all(the_target))
+    result = {"dataset": dataset, "num_prompts": num_prompts, "seed": seed, "goodput_slo_ms": slo}
+    for name, runs in results.items():
+        if len(rates) > 1:
+            runs_knee = knee(runs, slo_attainment)
+            console.print(f"{name}: highest rate meeting the SLO: {runs_knee if runs_knee is not None else 'none'}")
+            results[name] = {"runs": runs, "knee_request_rate": runs_knee}
+        else:
+            results[name] = runs[0]
+    if compare:
+        result["compare"] = results
+        print_comparison(results, names)
+    else:
+        name, body = next(iter(results.items()))
+        result.update(target=name, **body)
     if output:
         output.write_text(json.dumps(result, indent=1))
         console.print(f"results written to {output}")
+    if plot:
+        plot_sweep(results, plot)
+        console.print(f"plot written to {plot}")

@@ -112,3 +112,17 @@ def kv_summary(samples: list[dict[str, float]]) -> dict:
         "recomputed_tokens": delta("recomputed_tokens_total"),
         "mean_queue_delay_ms": delta("queue_delay_seconds_total") / admitted * 1000 if admitted else None,
     }
+
+
+def slo_attainment(summary: dict) -> float | None:
+    """Share of the run's requests that met every SLO (None without --goodput)."""
+    total = summary["completed"] + summary["failed"]
+    if summary.get("request_goodput") is None or not total:
+        return None
+    return summary["request_goodput"] * summary["duration"] / total
+
+
+def knee(runs: list[dict], attainment: float) -> float | None:
+    """The highest request rate whose run had at least `attainment` of its requests meet the SLO."""
+    meeting = [r["request_rate"] for r in runs if (a := slo_attainment(r)) is not None and a >= attainment]
+    return max(meeting, default=None)

@@ -8,7 +8,7 @@ from . import kernels
 from .attention import AttentionMetadata
 from .config import EngineConfig
 from .loader import LoadedModel
-from .models.llama import LlamaForCausalLM, rope_inv_freq
+from .models.llama import LlamaForCausalLM, pack_weights, rope_inv_freq
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
@@ -30,7 +30,7 @@ class ModelRunner:
         cfg = loaded.config
         with torch.device("meta"):
             model = LlamaForCausalLM(cfg)
-        missing, unexpected = model.load_state_dict(loaded.weights, strict=False, assign=True)
+        missing, unexpected = model.load_state_dict(pack_weights(loaded.weights), strict=False, assign=True)
         missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
         if missing or unexpected:
             raise ValueError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")

@@ -103,16 +103,16 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
-        hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.sizes = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(hidden, sum(self.sizes), bias=False)  # q, k, v in one GEMM
+        self.o_proj = nn.Linear(q_size, hidden, bias=False)
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         out = paged_attention(q, k, v, kv_cache, meta, self.head_dim**-0.5)
@@ -122,12 +122,28 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+# Hugging Face projections this model runs as one GEMM: fused name -> parts, in order.
+PACKED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def pack_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Hugging Face state dict with the fused projections concatenated (other names unchanged)."""
+    packed = dict(weights)
+    for name in weights:
+        for fused, parts in PACKED.items():
+            if name.endswith(f"{parts[0]}.weight"):
+                prefix = name.removesuffix(f"{parts[0]}.weight")
+                packed[f"{prefix}{fused}.weight"] = torch.cat([packed.pop(f"{prefix}{p}.weight") for p in parts])
+    return packed
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,212 @@
+"""The peers `servegate bench --compare` measures the built-in engine against, in the same run.
+
+- `hf-static`: the naive service: Hugging Face transformers `generate()` over static batches.
+  Requests wait while a batch runs; a batch runs until its longest member ends; nothing is
+  cached across requests. Tokens are streamed per step, so TTFT and ITL are its real ones.
+- `llama-cpp`: llama-cpp-python's OpenAI server on the same GGUF file, started as its users do.
+- `builtin`: `servegate serve` itself, over HTTP like the others that run as servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from backends.base import (
+    Backend,
+    Capabilities,
+    Delta,
+    Event,
+    Finish,
+    GenerateRequest,
+    Health,
+    InvalidRequest,
+    Load,
+    Usage,
+)
+
+
+@dataclass
+class _Pending:
+    request: GenerateRequest
+    prompt_ids: list[int]
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+class _BatchStreamer:
+    """A transformers streamer that hands each step's new tokens to every request of the batch."""
+
+    def __init__(self, batch: list[_Pending]) -> None:
+        self.batch, self.prompt_seen = batch, False
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:  # generate() first passes the prompt
+            self.prompt_seen = True
+            return
+        for pending, token in zip(self.batch, value.reshape(-1).tolist()):
+            pending.loop.call_soon_threadsafe(pending.queue.put_nowait, token)
+
+    def end(self) -> None:
+        for pending in self.batch:
+            pending.loop.call_soon_threadsafe(pending.queue.put_nowait, None)
+
+
+class HFStaticBackend(Backend):
+    def __init__(self, model_dir: str | Path, max_batch_size: int = 8, name: str = "hf-static") -> None:
+        self.name, self.model_dir, self.max_batch_size = name, Path(model_dir), max_batch_size
+        self.model = self.tokenizer = None
+        self._waiting: list[_Pending] = []
+        self._cv = threading.Condition()
+        self._stopped = False
+
+    async def start(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.model = await asyncio.to_thread(
+            lambda: AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval())
+        threading.Thread(target=self._loop, name="hf-static", daemon=True).start()
+
+    async def close(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._waiting and not self._stopped:
+                    self._cv.wait()
+                if self._stopped:
+                    return
+                batch, self._waiting = self._waiting[: self.max_batch_size], self._waiting[self.max_batch_size :]
+            self._run(batch)
+
+    def _run(self, batch: list[_Pending]) -> None:
+        import torch
+
+        width = max(len(p.prompt_ids) for p in batch)
+        pad = self.tokenizer.pad_token_id or 0
+        ids = torch.tensor([[pad] * (width - len(p.prompt_ids)) + p.prompt_ids for p in batch])  # left padding
+        mask = torch.tensor([[0] * (width - len(p.prompt_ids)) + [1] * len(p.prompt_ids) for p in batch])
+        longest = max(p.request.max_tokens for p in batch)
+        ignore_eos = any(p.request.ignore_eos for p in batch)
+        with torch.inference_mode():
+            self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, do_sample=False,
+                                min_new_tokens=longest if ignore_eos else None, pad_token_id=pad,
+                                streamer=_BatchStreamer(batch))
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        if request.prompt is None or not request.max_tokens:
+            raise InvalidRequest("hf-static takes a text prompt and max_tokens")
+        prompt_ids = self.tokenizer.encode(request.prompt)
+        pending = _Pending(request, prompt_ids, asyncio.get_running_loop())
+        with self._cv:
+            self._waiting.append(pending)
+            self._cv.notify()
+        produced: list[int] = []
+        text = ""
+        while (token := await pending.queue.get()) is not None:
+            if len(produced) == request.max_tokens:
+                continue  # the batch runs on for its longest member; this slot idles
+            produced.append(token)
+            full = self.tokenizer.decode(produced, skip_special_tokens=True)
+            yield Delta(0, full[len(text):], (token,))
+            text = full
+            if not request.ignore_eos and token == self.tokenizer.eos_token_id:
+                break
+        reason = "length" if len(produced) == request.max_tokens else "stop"
+        yield Finish((reason,), Usage(len(prompt_ids), len(produced)))
+
+    async def capabilities(self) -> Capabilities:
+        return Capabilities(runtime="hf-static", version="baseline", model=self.model_dir.name, max_context=0,
+                            prefix_caching=False)
+
+    async def health(self) -> Health:
+        return Health.READY if self.model is not None else Health.LOADING
+
+    async def load(self) -> Load:
+        return Load(waiting=len(self._waiting))
+
+
+@contextlib.contextmanager
+def server_process(command: list[str], base_url: str, ready_path: str, timeout: float = 300) -> Iterator[str]:
+    """Run a server as a subprocess until the block ends; yields its base URL once it answers."""
+    log = open(os.devnull, "w")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(base_url + ready_path, timeout=5).status_code == 200:
+                    break
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{command[:4]} did not become ready (exit code {process.poll()})")
+            time.sleep(0.25)
+        yield base_url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+def llama_cpp_command(model: Path, port: int, interrupt_requests: bool = False, threads: int | None = None,
+                      n_ctx: int = 4096) -> list[str]:
+    """llama-cpp-python's server as its users start it. Its default `interrupt_requests=True` ends
+    an in-flight stream whenever a new request arrives: a fair comparison turns it off."""
+    return [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1",
+            "--port", str(port), "--n_ctx", str(n_ctx), "--n_threads", str(threads or os.cpu_count() or 1),
+            "--interrupt_requests", str(interrupt_requests)]
+
+
+def servegate_command(port: int, model: str = "") -> list[str]:
+    command = [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--log-level", "warning"]
+    return command + (["--model", model] if model else [])
+
+
+SYSTEMS = ("builtin", "hf-static", "llama-cpp")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def system_target(name: str, model: str | None = None):
+    """A started peer, as a bench target, all on the same model file (default: the default GGUF)."""
+    from backends.builtin.loader import default_model_path, gguf_to_hf_dir
+
+    from .targets import BackendTarget, OpenAITarget
+
+    gguf = Path(model) if model else default_model_path()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    if name == "builtin":
+        with server_process(servegate_command(port, model or ""), url, "/ready"):
+            yield OpenAITarget(url)
+    elif name == "llama-cpp":
+        with server_process(llama_cpp_command(gguf, port), url, "/v1/models"):
+            yield OpenAITarget(url)
+    elif name == "hf-static":
+        yield BackendTarget(HFStaticBackend(gguf_to_hf_dir(gguf) if gguf.suffix == ".gguf" else gguf))
+    else:
+        raise ValueError(f"unknown system {name!r} (choose from {', '.join(SYSTEMS)})")
