@@ -73,23 +73,47 @@ def test_top_k_and_top_p_filters():
     assert torch.allclose(probs, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))  # the top token always stays
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_kernel_equals_the_pytorch_path(dtype):
+def filled_cache(kv_dtype: str, dtype: torch.dtype):
+    from backends.builtin.attention import LayerKV
+
+    torch.manual_seed(0)
+    kv = LayerKV.allocate(64, 16, 3, 64, dtype, torch.device("cpu"), int8=kv_dtype == "int8")
+    slots = torch.arange(64 * 16)
+    kv.write(slots, torch.randn(len(slots), 3, 64).to(dtype), torch.randn(len(slots), 3, 64).to(dtype))
+    return kv
+
+
+@pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, "auto"), (torch.bfloat16, "auto"),
+                                             (torch.float32, "int8")])
+def test_native_kernel_equals_the_pytorch_path(dtype, kv_dtype):
+    import copy
+
     from backends.builtin import kernels
     from backends.builtin.attention import AttentionMetadata, paged_attention
 
-    assert kernels.available(torch.device("cpu"), dtype), kernels._failed
-    torch.manual_seed(0)
-    blocks, block_size, kv_heads, head_dim, heads = 64, 16, 3, 64, 9
+    kv = filled_cache(kv_dtype, dtype)
+    assert kernels.available(torch.device("cpu"), kv.data.dtype, 64), kernels._failed
     tables = [[3, 7, 9, 11, 20], [1, 2], [30, 31, 32], [40]]
     ctx = [70, 20, 40, 1]
-    cache = torch.randn(2, blocks, block_size, kv_heads, head_dim).to(dtype)
     for q_lens in ([1, 1, 1, 1], [1, 5, 1, 1], [3, 5, 2, 1]):  # decode only, mixed, prefill chunks only
         tokens = sum(q_lens)
-        q, k, v = (torch.randn(tokens, h, head_dim).to(dtype) for h in (heads, kv_heads, kv_heads))
+        q, k, v = (torch.randn(tokens, h, 64).to(dtype) for h in (9, 3, 3))
         outs = []
         for use_kernel in (True, False):
-            meta = AttentionMetadata.build(q_lens, ctx, tables, block_size, torch.device("cpu"), use_kernel)
+            meta = AttentionMetadata.build(q_lens, ctx, tables, 16, torch.device("cpu"), use_kernel)
             assert (meta.kernel is not None) == (use_kernel and 1 in q_lens)
-            outs.append(paged_attention(q, k, v, cache.clone(), meta, head_dim**-0.5).float())
-        assert (outs[0] - outs[1]).abs().max().item() < (1e-5 if dtype == torch.float32 else 2e-2)
+            outs.append(paged_attention(q, k, v, copy.deepcopy(kv), meta, 64**-0.5).float())
+        assert (outs[0] - outs[1]).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_int8_cache_stays_close_to_full_precision():
+    from backends.builtin.attention import LayerKV
+
+    full, int8 = filled_cache("auto", torch.float32), filled_cache("int8", torch.float32)
+    tables = torch.tensor([[5, 6, 7]])
+    for i in (0, 1):
+        exact, approx = full.gathered(i, tables, torch.float32), int8.gathered(i, tables, torch.float32)
+        bound = exact.abs().amax(dim=-1, keepdim=True) / 127 / 2 + 1e-6  # half a quantization step
+        assert ((exact - approx).abs() <= bound).all()
+    assert int8.nbytes < full.nbytes / 3.5  # 1 byte + a 4-byte scale per 64 values, against 4 bytes
+    assert isinstance(int8, LayerKV)

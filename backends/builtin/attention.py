@@ -1,8 +1,9 @@
 """Attention over the paged KV cache, batched across sequences.
 
-The cache of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]`. A step's
-tokens arrive flattened (`[num_tokens, heads, head_dim]`); their K/V are first written to
-their slots. Then two paths read the cache, one call each per layer:
+The cache of one layer (`LayerKV`) is `[2, num_blocks, block_size, num_kv_heads, head_dim]`,
+in the model's dtype or in int8 with one float32 scale per token and head (absmax / 127).
+A step's tokens arrive flattened (`[num_tokens, heads, head_dim]`); their K/V are first written
+to their slots. Then two paths read the cache, one call each per layer:
 
 - decode tokens (one new token in their sequence) go to the native kernel
   (`csrc/paged_attention.cpp`), which reads the blocks in place: no gather, no padding;
@@ -21,6 +22,51 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
+
+
+@dataclass
+class LayerKV:
+    data: torch.Tensor  # [2, num_blocks, block_size, kv_heads, head_dim]
+    scales: torch.Tensor | None = None  # [2, num_blocks, block_size, kv_heads] float32 when data is int8
+
+    @classmethod
+    def allocate(cls, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, int8: bool) -> LayerKV:
+        # Zeroed, not empty: masked-out slots still enter the attention product, and NaN garbage would spread.
+        shape = (2, num_blocks, block_size, kv_heads, head_dim)
+        if not int8:
+            return cls(torch.zeros(shape, dtype=dtype, device=device))
+        return cls(torch.zeros(shape, dtype=torch.int8, device=device),
+                   torch.zeros(shape[:-1], dtype=torch.float32, device=device))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + (self.scales.nbytes if self.scales is not None else 0)
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.data[:, dst] = self.data[:, src]
+        if self.scales is not None:
+            self.scales[:, dst] = self.scales[:, src]
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        _, num_blocks, block_size, kv_heads, head_dim = self.data.shape
+        data = self.data.view(2, num_blocks * block_size, kv_heads, head_dim)
+        if self.scales is None:
+            data[0].index_copy_(0, slots, k)
+            data[1].index_copy_(0, slots, v)
+            return
+        scales = self.scales.view(2, num_blocks * block_size, kv_heads)
+        for i, x in enumerate((k, v)):
+            scale = x.float().abs().amax(dim=-1).clamp_min(1e-8) / 127.0
+            data[i].index_copy_(0, slots, (x.float() / scale[..., None]).round().to(torch.int8))
+            scales[i].index_copy_(0, slots, scale)
+
+    def gathered(self, i: int, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Keys (i=0) or values (1) of each table's blocks: [b, max_blocks * block_size, kv_heads, head_dim]."""
+        data = self.data[i][block_tables].flatten(1, 2)
+        if self.scales is None:
+            return data
+        return (data.float() * self.scales[i][block_tables].flatten(1, 2)[..., None]).to(dtype)
 
 
 @dataclass
@@ -96,12 +142,10 @@ def _gather_part(q_lens, ctx_lens, tables, starts, block_size, device) -> Gather
                       max_q)
 
 
-def _gather_attention(q: torch.Tensor, kv_cache: torch.Tensor, part: GatherPart, scale: float) -> torch.Tensor:
+def _gather_attention(q: torch.Tensor, kv: LayerKV, part: GatherPart, scale: float) -> torch.Tensor:
     num_heads, head_dim = q.shape[1:]
     batch = part.block_tables.shape[0]
-    # [b, max_blocks, block_size, Hkv, D] -> [b, Hkv, L, D]
-    keys = kv_cache[0][part.block_tables].flatten(1, 2).transpose(1, 2)
-    values = kv_cache[1][part.block_tables].flatten(1, 2).transpose(1, 2)
+    keys, values = (kv.gathered(i, part.block_tables, q.dtype).transpose(1, 2) for i in (0, 1))  # [b, Hkv, L, D]
     queries = q.new_zeros(batch * part.max_q, num_heads, head_dim)
     queries[part.query_index] = q
     queries = queries.view(batch, part.max_q, num_heads, head_dim).transpose(1, 2)
@@ -109,19 +153,16 @@ def _gather_attention(q: torch.Tensor, kv_cache: torch.Tensor, part: GatherPart,
     return out.transpose(1, 2).reshape(batch * part.max_q, num_heads, head_dim)[part.query_index]
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, N, block_size, Hkv, D] -> [T, H, D]."""
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    flat[0].index_copy_(0, meta.slot_mapping, k)
-    flat[1].index_copy_(0, meta.slot_mapping, v)
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H, D]."""
+    kv.write(meta.slot_mapping, k, v)
     if meta.kernel is not None and meta.gather is None:  # a pure decode step: no reordering needed
-        return kernels.paged_attention(q, kv_cache, meta.kernel.block_tables, meta.kernel.positions, scale)
+        return kernels.paged_attention(q, kv, meta.kernel.block_tables, meta.kernel.positions, scale)
     out = torch.empty_like(q)
     if meta.kernel is not None:
         part = meta.kernel
-        out[part.tokens] = kernels.paged_attention(q[part.tokens], kv_cache, part.block_tables, part.positions, scale)
+        out[part.tokens] = kernels.paged_attention(q[part.tokens], kv, part.block_tables, part.positions, scale)
     if meta.gather is not None:
-        out[meta.gather.tokens] = _gather_attention(q[meta.gather.tokens], kv_cache, meta.gather, scale)
+        out[meta.gather.tokens] = _gather_attention(q[meta.gather.tokens], kv, meta.gather, scale)
     return out

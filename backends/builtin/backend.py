@@ -145,7 +145,9 @@ class BuiltinBackend(Backend):
         return Capabilities(
             runtime="servegate-builtin", version=_package_version(), model=self.model_id,
             max_context=engine.max_model_len if engine else 0,
-            prefix_caching=self.config.enable_prefix_caching, kv_dtype=self.config.dtype, tokenize=True,
+            prefix_caching=self.config.enable_prefix_caching,
+            kv_dtype=self.config.dtype if self.config.kv_cache_dtype == "auto" else self.config.kv_cache_dtype,
+            tokenize=True,
             features=frozenset({"n", "seed", "stop", "stop_token_ids", "ignore_eos", "top_k"}),
         )
 

@@ -36,13 +36,16 @@ def _load():
     return _module
 
 
-def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the kernel serves this device and cache dtype (CPU; float32, bfloat16, float16)."""
-    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16) and _load() is not None
+def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernel serves this device, cache dtype and head size."""
+    served = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8)
+    return served and head_dim in (64, 128) and _load() is not None
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor,
+def paged_attention(q: torch.Tensor, kv, block_tables: torch.Tensor, positions: torch.Tensor,
                     scale: float) -> torch.Tensor:
-    """q: [t, H, D]; kv_cache: [2, N, block_size, Hkv, D]; one block table and position per token."""
-    out = _load().paged_attention(q.float().contiguous(), kv_cache[0], kv_cache[1], block_tables, positions, scale)
+    """q: [t, H, D]; kv: a `LayerKV`; one block table and position per token."""
+    scales = kv.scales if kv.scales is not None else torch.empty(0)
+    out = _load().paged_attention(q.float().contiguous(), kv.data[0], kv.data[1], scales, block_tables, positions,
+                                  scale)
     return out.to(q.dtype)

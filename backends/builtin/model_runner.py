@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels
-from .attention import AttentionMetadata
+from .attention import AttentionMetadata, LayerKV
 from .config import EngineConfig
 from .loader import LoadedModel
 from .models.llama import LlamaForCausalLM, pack_weights, rope_inv_freq
@@ -38,21 +38,31 @@ class ModelRunner:
             model.lm_head.weight = model.model.embed_tokens.weight
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.inv_freq = rope_inv_freq(cfg).to(self.device)  # kept in fp32, as the reference does
-        shape = (2, num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        # Zeroed, not empty: masked-out slots still enter the attention product, and NaN garbage would spread.
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                          for _ in range(cfg.num_hidden_layers)]
+        if config.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"unknown kv_cache_dtype {config.kv_cache_dtype!r} (auto, int8)")
+        int8 = config.kv_cache_dtype == "int8"
+        self.kv_caches = [
+            LayerKV.allocate(num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype,
+                             self.device, int8)
+            for _ in range(cfg.num_hidden_layers)
+        ]
         if config.attention not in ("auto", "native", "torch"):
             raise ValueError(f"unknown attention {config.attention!r} (auto, native, torch)")
-        self.use_kernel = config.attention != "torch" and kernels.available(self.device, self.dtype)
+        cache_dtype = self.kv_caches[0].data.dtype
+        self.use_kernel = config.attention != "torch" and kernels.available(self.device, cache_dtype, cfg.head_dim)
         if config.attention == "native" and not self.use_kernel:
-            raise ValueError(f"the native attention kernel does not serve {self.device} / {config.dtype} here")
+            raise ValueError(f"the native attention kernel does not serve {self.device} / {cache_dtype} / "
+                             f"head_dim {cfg.head_dim} here")
+
+    def kv_bytes_per_token(self) -> float:
+        kv = self.kv_caches[0]
+        return kv.nbytes * len(self.kv_caches) / (kv.data.shape[1] * self.block_size)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
         for cache in self.kv_caches:
-            cache[:, dst] = cache[:, src]
+            cache.copy_blocks(src, dst)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:

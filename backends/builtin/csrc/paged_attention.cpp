@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 // exp for x <= 0 (scores minus their max), written so that loops over it vectorize: Cephes' expf
@@ -35,10 +36,11 @@ static inline float exp_nonpositive(float x) {
 
 // Attention of one query token (all its heads) over keys 0..position of its sequence, reading
 // the cache block by block through the sequence's block table.
+// With an int8 cache, `k_scales`/`v_scales` hold one float per (slot, KV head); else they are null.
 template <typename scalar_t, int64_t D>
-static void attend(const float* q, const scalar_t* key_cache, const scalar_t* value_cache, const int64_t* table,
-                   int64_t position, int64_t heads, int64_t kv_heads, int64_t block_size, float scale,
-                   std::vector<float>& scores, float* out) {
+static void attend(const float* q, const scalar_t* key_cache, const scalar_t* value_cache, const float* k_scales,
+                   const float* v_scales, const int64_t* table, int64_t position, int64_t heads, int64_t kv_heads,
+                   int64_t block_size, float scale, std::vector<float>& scores, float* out) {
   const int64_t len = position + 1, group = heads / kv_heads, slot_stride = kv_heads * D;
   const int64_t blocks = (len + block_size - 1) / block_size;
   scores.resize(heads * len);
@@ -46,13 +48,14 @@ static void attend(const float* q, const scalar_t* key_cache, const scalar_t* va
   for (int64_t b = 0, j = 0; b < blocks; ++b) {
     const scalar_t* k_block = key_cache + table[b] * block_size * slot_stride;
     for (int64_t i = 0; i < block_size && j < len; ++i, ++j) {
+      const float* k_scale = k_scales ? k_scales + (table[b] * block_size + i) * kv_heads : nullptr;
       for (int64_t h = 0; h < heads; ++h) {
         const float* qh = q + h * D;
         const scalar_t* k = k_block + i * slot_stride + (h / group) * D;
         float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
         for (int64_t d = 0; d < D; ++d) acc += qh[d] * static_cast<float>(k[d]);
-        scores[h * len + j] = acc * scale;
+        scores[h * len + j] = acc * scale * (k_scale ? k_scale[h / group] : 1.f);
       }
     }
   }
@@ -78,18 +81,21 @@ static void attend(const float* q, const scalar_t* key_cache, const scalar_t* va
       const scalar_t* v_block = value_cache + table[b] * block_size * slot_stride + (h / group) * D;
       for (int64_t i = 0; i < block_size && j < len; ++i, ++j) {
         const scalar_t* v = v_block + i * slot_stride;
+        const float wj = v_scales ? w[j] * v_scales[(table[b] * block_size + i) * kv_heads + h / group] : w[j];
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) acc[d] += w[j] * static_cast<float>(v[d]);
+        for (int64_t d = 0; d < D; ++d) acc[d] += wj * static_cast<float>(v[d]);
       }
     }
     std::copy(acc, acc + D, out + h * D);
   }
 }
 
-// query [T, H, D] float32; caches [N, block_size, Hkv, D]; block_tables [T, max_blocks] int64 (the
-// table of each token's sequence); positions [T] int64 (each token's absolute position).
+// query [T, H, D] float32; caches [N, block_size, Hkv, D]; scales: [2, N, block_size, Hkv] float32 for
+// int8 caches, else empty; block_tables [T, max_blocks] int64 (the table of each token's sequence);
+// positions [T] int64 (each token's absolute position).
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                              torch::Tensor block_tables, torch::Tensor positions, double scale) {
+                              torch::Tensor scales, torch::Tensor block_tables, torch::Tensor positions,
+                              double scale) {
   TORCH_CHECK(query.dtype() == torch::kFloat32 && query.is_contiguous(), "query must be contiguous float32");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_tables.dtype() == torch::kInt64 && positions.dtype() == torch::kInt64, "indices must be int64");
@@ -102,18 +108,29 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t max_blocks = block_tables.size(1);
   TORCH_CHECK(head_dim == 64 || head_dim == 128, "head_dim must be 64 or 128, got ", head_dim);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key_cache.scalar_type(), "paged_attention", [&] {
-    const scalar_t* kc = key_cache.data_ptr<scalar_t>();
-    const scalar_t* vc = value_cache.data_ptr<scalar_t>();
+  const bool int8 = key_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(!int8 || (scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 4),
+              "an int8 cache needs float32 scales [2, N, block_size, Hkv]");
+  const float* k_scales = int8 ? scales.data_ptr<float>() : nullptr;
+  const float* v_scales = int8 ? k_scales + scales[0].numel() : nullptr;
+  auto run = [&](auto* kc, auto* vc) {
+    using scalar_t = std::remove_const_t<std::remove_pointer_t<decltype(kc)>>;
     auto one = head_dim == 64 ? attend<scalar_t, 64> : attend<scalar_t, 128>;
     at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
       for (int64_t t = begin; t < end; ++t) {
-        one(q + t * heads * head_dim, kc, vc, tables + t * max_blocks, pos[t], heads, kv_heads, block_size,
-            static_cast<float>(scale), scores, o + t * heads * head_dim);
+        one(q + t * heads * head_dim, kc, vc, k_scales, v_scales, tables + t * max_blocks, pos[t], heads, kv_heads,
+            block_size, static_cast<float>(scale), scores, o + t * heads * head_dim);
       }
     });
-  });
+  };
+  if (int8) {
+    run(key_cache.data_ptr<int8_t>(), value_cache.data_ptr<int8_t>());
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key_cache.scalar_type(), "paged_attention", [&] {
+      run(key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>());
+    });
+  }
   return out;
 }
 

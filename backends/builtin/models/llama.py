@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import AttentionMetadata, paged_attention
+from ..attention import AttentionMetadata, LayerKV, paged_attention
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
         self.inv_freq: torch.Tensor | None = None  # fp32 RoPE frequencies, set by the runner on its device
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
         meta: AttentionMetadata, logits_index: torch.Tensor,
     ) -> torch.Tensor:
         """Hidden states of the step's flattened tokens -> logits at `logits_index` only."""

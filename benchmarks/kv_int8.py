@@ -1,0 +1,70 @@
+"""INT8 KV cache against the model's own dtype: memory per token, greedy agreement, logit error.
+
+Both engines run the same chat prompts greedily. Agreement is measured per prompt as the share
+of output positions before the first differing token; logit error is the max absolute difference
+of the next-token logits at the positions both engines reached with the same tokens so far.
+Usage: python benchmarks/kv_int8.py [--prompts 16] [--max-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from backends.builtin.config import EngineConfig
+from backends.builtin.engine import LLMEngine
+from backends.builtin.loader import load_model
+from backends.builtin.sequence import SamplingParams
+
+TOPICS = ["the sea", "gravity", "a city at night", "prime numbers", "bread", "the moon", "trains", "winter",
+          "a library", "volcanoes", "chess", "rain", "bees", "deserts", "music", "friendship"]
+
+
+def recorded(engine: LLMEngine, prompt: list[int], max_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    logits: list[torch.Tensor] = []
+    run = engine.runner.run
+
+    def recording(batch):
+        done, out = run(batch)
+        logits.append(out[0])
+        return done, out
+
+    engine.runner.run = recording
+    try:
+        tokens = engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0][0]
+    finally:
+        engine.runner.run = run
+    return tokens, logits
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args()
+    loaded = load_model()
+    tok = loaded.tokenizer
+    engines = {kind: LLMEngine(EngineConfig(kv_cache_dtype=kind, kv_cache_tokens=4096), loaded)
+               for kind in ("auto", "int8")}
+    agreement, identical, worst = [], 0, 0.0
+    for topic in TOPICS[: args.prompts]:
+        text = tok.apply_chat_template([{"role": "user", "content": f"Write a few sentences about {topic}."}],
+                                       add_generation_prompt=True, tokenize=False)
+        prompt = tok.encode(text, add_special_tokens=False)
+        (ref, ref_logits), (q8, q8_logits) = (recorded(engines[k], prompt, args.max_tokens) for k in ("auto", "int8"))
+        same = next((i for i, (a, b) in enumerate(zip(ref, q8)) if a != b), min(len(ref), len(q8)))
+        agreement.append(same / len(ref))
+        identical += ref == q8
+        for a, b in zip(ref_logits[: same + 1], q8_logits[: same + 1]):
+            worst = max(worst, (a - b).abs().max().item())
+    per_token = {k: e.runner.kv_bytes_per_token() for k, e in engines.items()}
+    print(f"KV bytes per token: {per_token['auto']:.0f} ({engines['auto'].config.dtype}) -> "
+          f"{per_token['int8']:.0f} (int8), {per_token['auto'] / per_token['int8']:.2f}x smaller")
+    print(f"greedy outputs identical: {identical}/{len(agreement)}; mean share of positions before the first "
+          f"difference: {sum(agreement) / len(agreement):.3f}")
+    print(f"max |logit difference| while the outputs agree: {worst:.4f}")
+
+
+if __name__ == "__main__":
+    main()
