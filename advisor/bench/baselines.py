@@ -179,7 +179,8 @@ def servegate_command(port: int, model: str = "") -> list[str]:
     return command + (["--model", model] if model else [])
 
 
-SYSTEMS = ("builtin", "hf-static", "llama-cpp")
+# llama-cpp-default keeps the server's default interrupt_requests=True, to show what it does.
+SYSTEMS = ("builtin", "hf-static", "llama-cpp", "llama-cpp-default")
 
 
 def free_port() -> int:
@@ -203,8 +204,9 @@ def system_target(name: str, model: str | None = None):
     if name == "builtin":
         with server_process(servegate_command(port, model or ""), url, "/ready"):
             yield OpenAITarget(url)
-    elif name == "llama-cpp":
-        with server_process(llama_cpp_command(gguf, port), url, "/v1/models"):
+    elif name in ("llama-cpp", "llama-cpp-default"):
+        command = llama_cpp_command(gguf, port, interrupt_requests=name == "llama-cpp-default")
+        with server_process(command, url, "/v1/models"):
             yield OpenAITarget(url)
     elif name == "hf-static":
         yield BackendTarget(HFStaticBackend(gguf_to_hf_dir(gguf) if gguf.suffix == ".gguf" else gguf))
