@@ -119,7 +119,7 @@ COMPARED = ("output_throughput", "request_goodput", "median_ttft_ms", "p99_ttft_
 def print_comparison(results: dict[str, dict], names: list[str]) -> None:
     """One table, systems side by side, with the first system's ratio to each other one."""
     first, others = names[0], names[1:]
-    table = Table(title="comparison (single rate; for a sweep see the JSON)")
+    table = Table(title="comparison")
     table.add_column("metric")
     for name in names:
         table.add_column(name, justify="right")
@@ -213,7 +213,8 @@ def bench(
             results[name] = runs[0]
     if compare:
         result["compare"] = results
-        print_comparison(results, names)
+        if len(rates) == 1:  # a sweep's figures are per rate: see the JSON and the plot
+            print_comparison(results, names)
     else:
         name, body = next(iter(results.items()))
         result.update(target=name, **body)
