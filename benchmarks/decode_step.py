@@ -3,6 +3,7 @@
 The bound is what any exact implementation must do for one decode step: the model's weight
 GEMMs at batch B, plus one exact attention pass over the same KV laid out contiguously.
 Usage: python benchmarks/decode_step.py [--batch 32] [--context 512] [--steps 20] [--attention auto|native|torch]
+       [--weight-quant none|int8]
 """
 
 from __future__ import annotations
@@ -75,9 +76,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--attention", default="auto", help="auto | native | torch")
+    parser.add_argument("--weight-quant", default="none", help="none | int8 (the bound then uses int8 GEMMs too)")
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig(kv_cache_tokens=args.batch * (args.context + args.steps + 32),
-                                    attention=args.attention))
+                                    attention=args.attention, weight_quant=args.weight_quant))
     step = decode_step_ms(engine, args.batch, args.context, args.steps)
     gemm, attention = bound_ms(engine, args.batch, args.context, args.steps)
     bound = gemm + attention

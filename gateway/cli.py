@@ -28,6 +28,7 @@ def serve(
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32",
     kv_cache_tokens: Annotated[int, typer.Option(help="KV cache capacity in tokens.")] = 16384,
     kv_cache_dtype: Annotated[str, typer.Option(help="auto (the model's dtype) | int8")] = "auto",
+    weight_quant: Annotated[str, typer.Option(help="none | int8 (CPU: int8 GEMMs, faster, not exact)")] = "none",
     max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of one engine step.")] = 2048,
     max_model_len: Annotated[int, typer.Option(help="Context length cap (0: the model's own).")] = 0,
     no_prefix_caching: Annotated[bool, typer.Option(
@@ -44,7 +45,7 @@ def serve(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = EngineConfig(
         model=model, served_name=served_name, device=device, dtype=dtype, kv_cache_tokens=kv_cache_tokens,
-        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype=kv_cache_dtype, weight_quant=weight_quant,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len or None,
         enable_prefix_caching=not no_prefix_caching,
     )

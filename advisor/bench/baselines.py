@@ -180,7 +180,7 @@ def servegate_command(port: int, model: str = "") -> list[str]:
 
 
 # llama-cpp-default keeps the server's default interrupt_requests=True, to show what it does.
-SYSTEMS = ("builtin", "hf-static", "llama-cpp", "llama-cpp-default")
+SYSTEMS = ("builtin", "builtin-int8", "hf-static", "llama-cpp", "llama-cpp-default")
 
 
 def free_port() -> int:
@@ -201,8 +201,9 @@ def system_target(name: str, model: str | None = None):
     gguf = Path(model) if model else default_model_path()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    if name == "builtin":
-        with server_process(servegate_command(port, model or ""), url, "/ready"):
+    if name in ("builtin", "builtin-int8"):
+        extra = ["--weight-quant", "int8"] if name == "builtin-int8" else []
+        with server_process(servegate_command(port, model or "") + extra, url, "/ready"):
             yield OpenAITarget(url)
     elif name in ("llama-cpp", "llama-cpp-default"):
         command = llama_cpp_command(gguf, port, interrupt_requests=name == "llama-cpp-default")

@@ -18,6 +18,7 @@ class EngineConfig:
     max_num_seqs: int = 64  # running sequences at most
     max_model_len: int | None = None  # None: the model's own context length
     enable_prefix_caching: bool = True
+    weight_quant: str = "none"  # none | int8 (CPU: dynamic int8 GEMMs, faster, no longer exact)
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 (per-token, per-head absmax scales)
     attention: str = "auto"  # decode attention: auto (native kernel where it builds) | native | torch
     cache_dir: str | None = None  # converted-weights cache; None: ~/.cache/servegate
