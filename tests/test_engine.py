@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -69,6 +70,16 @@ def test_native_and_pytorch_attention_give_the_same_tokens(make_engine, default_
     native = make_engine(attention="native")
     assert native.runner.use_kernel
     assert run(native, prompts, params) == run(make_engine(attention="torch"), prompts, params)
+
+
+def test_int8_weights_keep_a_simple_answer(make_engine, default_model):
+    tok = default_model.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                                add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    quantized = make_engine(weight_quant="int8")
+    assert isinstance(quantized.runner.model.lm_head, torch.ao.nn.quantized.dynamic.Linear)
+    assert run(quantized, [prompt], params) == run(make_engine(), [prompt], params)
 
 
 def test_preemption_on_real_model_matches(make_engine, default_model):

@@ -1,9 +1,9 @@
-"""INT8 KV cache against the model's own dtype: memory per token, greedy agreement, logit error.
+"""INT8 KV cache or INT8 weights against the fp32 engine: memory, greedy agreement, logit error.
 
 Both engines run the same chat prompts greedily. Agreement is measured per prompt as the share
 of output positions before the first differing token; logit error is the max absolute difference
 of the next-token logits at the positions both engines reached with the same tokens so far.
-Usage: python benchmarks/kv_int8.py [--prompts 16] [--max-tokens 64]
+Usage: python benchmarks/quant_accuracy.py [--variant kv|weights] [--prompts 16] [--max-tokens 64]
 """
 
 from __future__ import annotations
@@ -42,11 +42,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--variant", default="kv", help="kv (int8 KV cache) | weights (int8 GEMMs)")
     args = parser.parse_args()
     loaded = load_model()
     tok = loaded.tokenizer
-    engines = {kind: LLMEngine(EngineConfig(kv_cache_dtype=kind, kv_cache_tokens=4096), loaded)
-               for kind in ("auto", "int8")}
+    int8 = {"kv": {"kv_cache_dtype": "int8"}, "weights": {"weight_quant": "int8"}}[args.variant]
+    engines = {"auto": LLMEngine(EngineConfig(kv_cache_tokens=4096), loaded),
+               "int8": LLMEngine(EngineConfig(kv_cache_tokens=4096, **int8), loaded)}
     agreement, identical, worst = [], 0, 0.0
     for topic in TOPICS[: args.prompts]:
         text = tok.apply_chat_template([{"role": "user", "content": f"Write a few sentences about {topic}."}],
@@ -59,6 +61,7 @@ def main() -> None:
         for a, b in zip(ref_logits[: same + 1], q8_logits[: same + 1]):
             worst = max(worst, (a - b).abs().max().item())
     per_token = {k: e.runner.kv_bytes_per_token() for k, e in engines.items()}
+    print(f"variant: int8 {args.variant}")
     print(f"KV bytes per token: {per_token['auto']:.0f} ({engines['auto'].config.dtype}) -> "
           f"{per_token['int8']:.0f} (int8), {per_token['auto'] / per_token['int8']:.2f}x smaller")
     print(f"greedy outputs identical: {identical}/{len(agreement)}; mean share of positions before the first "
