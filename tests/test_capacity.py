@@ -1,0 +1,48 @@
+"""KV bytes per token from architecture, against hand-derived figures for published configs."""
+
+import pytest
+
+from advisor.capacity import Architecture, MissingArchitectureField, kv_bytes_per_token
+
+# Fields as in each model's config.json.
+LLAMA_31_70B = {"model_type": "llama", "num_hidden_layers": 80, "hidden_size": 8192, "num_attention_heads": 64,
+                "num_key_value_heads": 8}
+QWEN3_32B = {"model_type": "qwen3", "num_hidden_layers": 64, "hidden_size": 5120, "num_attention_heads": 64,
+             "num_key_value_heads": 8, "head_dim": 128}
+DEEPSEEK_V3 = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "hidden_size": 7168, "num_attention_heads": 128,
+               "num_key_value_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+
+
+def test_known_configs_are_exact():
+    assert kv_bytes_per_token(Architecture.from_config(LLAMA_31_70B)) == 327_680
+    assert kv_bytes_per_token(Architecture.from_config(QWEN3_32B)) == 262_144  # head_dim 128, not 5120/64
+    assert kv_bytes_per_token(Architecture.from_config(DEEPSEEK_V3)) == 70_272  # MLA latent + rope key
+
+
+def test_tensor_parallel_and_dtype():
+    llama = Architecture.from_config(LLAMA_31_70B)
+    assert kv_bytes_per_token(llama, "fp8", tp=4) == 327_680 / 2 / 4
+    assert kv_bytes_per_token(llama, tp=16) == 327_680 / 8  # 8 KV heads cannot split 16 ways: one each
+    mla = Architecture.from_config(DEEPSEEK_V3)
+    assert kv_bytes_per_token(mla, tp=8) == 70_272  # the latent is not sharded
+    with pytest.raises(ValueError, match="unknown KV dtype 'fp4'"):
+        kv_bytes_per_token(llama, "fp4")
+
+
+def test_sliding_window_layers_are_capped():
+    cfg = {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 1,
+           "sliding_window": 1024, "layer_types": ["sliding_attention", "full_attention"] * 2}
+    arch = Architecture.from_config(cfg)
+    per_layer = 2 * 1 * 64 * 2
+    assert kv_bytes_per_token(arch, context=512) == 4 * per_layer  # below the window: all layers pay
+    assert kv_bytes_per_token(arch, context=4096) == per_layer * (2 + 2 * 1024 / 4096)
+    mistral = Architecture.from_config({"model_type": "mistral", "num_hidden_layers": 32, "hidden_size": 4096,
+                                        "num_attention_heads": 32, "num_key_value_heads": 8, "sliding_window": 4096})
+    assert kv_bytes_per_token(mistral, context=8192) == kv_bytes_per_token(mistral, context=4096) / 2
+
+
+def test_missing_fields_are_named_not_guessed():
+    with pytest.raises(MissingArchitectureField, match="'num_hidden_layers'"):
+        Architecture.from_config({"hidden_size": 10, "num_attention_heads": 2}, "my/config.json")
+    with pytest.raises(MissingArchitectureField, match="qk_rope_head_dim"):
+        Architecture.from_config({"num_hidden_layers": 2, "kv_lora_rank": 512})
