@@ -202,3 +202,16 @@ def test_compare_runs_the_same_workload_against_the_peers(tmp_path):
     assert all(d["completed"] == 3 and d["failed"] == 0 for d in data.values())
     assert data["builtin"]["total_output_tokens"] == 12  # ignore_eos honoured; llama-cpp may stop earlier
     assert "builtin / llama-cpp" in result.output
+
+
+def test_bench_drives_a_backend_in_process(tiny_model_dir, tmp_path):
+    out = tmp_path / "inproc.json"
+    result = CliRunner().invoke(app, [
+        "bench", "--backend", "builtin", "--model", str(tiny_model_dir), "--dataset", "multi-turn",
+        "--num-prompts", "2", "--multi-turn-turns", "2", "--random-input-len", "40", "--random-output-len", "3",
+        "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["completed"] == 4 and data["total_output_tokens"] == 12
+    # The second turn of each conversation carries the first turn and its reply: longer prompts, cache hits.
+    assert data["total_cached_tokens"] > 0 and data["kv_blocks_total"] > 0
