@@ -72,3 +72,58 @@ def kv_bytes_per_token(arch: Architecture, kv_dtype: str = "bf16", tp: int = 1, 
     full = arch.layers - arch.sliding_layers
     share = min(context, arch.sliding_window) / context if arch.sliding_layers and context else 1.0
     return per_layer * (full + arch.sliding_layers * share)
+
+
+@dataclass(frozen=True)
+class Weights:
+    params: int
+    bytes: int
+    params_by_format: dict[str, int]  # e.g. {"Q4_1": ..., "Q8_0": ..., "F32": ...}
+
+    @property
+    def bits_per_weight(self) -> float:
+        return self.bytes * 8 / self.params
+
+
+def gguf_weights(path) -> Weights:
+    """Parameters and bytes of a GGUF file's tensors, from each tensor's quantization type
+    (block and byte sizes as the `gguf` package defines them): no guess about k-quant mixes."""
+    from gguf import GGUFReader
+    from gguf.constants import GGML_QUANT_SIZES
+
+    params = size = 0
+    by_format: dict[str, int] = {}
+    for tensor in GGUFReader(path).tensors:
+        block, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
+        count = int(tensor.n_elements)
+        params += count
+        size += count // block * block_bytes
+        by_format[tensor.tensor_type.name] = by_format.get(tensor.tensor_type.name, 0) + count
+    return Weights(params, size, by_format)
+
+
+SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1,
+                           "I32": 4, "I64": 8, "BOOL": 1}
+
+
+def safetensors_weights(directory) -> Weights:
+    """Parameters and bytes of a Hugging Face directory's *.safetensors, read from their headers."""
+    import json
+    import struct
+    from pathlib import Path
+
+    params = size = 0
+    by_format: dict[str, int] = {}
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        with open(file, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            count = math.prod(entry["shape"])
+            params += count
+            size += count * SAFETENSORS_DTYPE_BYTES[entry["dtype"]]
+            by_format[entry["dtype"]] = by_format.get(entry["dtype"], 0) + count
+    if not params:
+        raise FileNotFoundError(f"{directory}: no *.safetensors weights")
+    return Weights(params, size, by_format)

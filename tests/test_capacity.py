@@ -46,3 +46,20 @@ def test_missing_fields_are_named_not_guessed():
         Architecture.from_config({"hidden_size": 10, "num_attention_heads": 2}, "my/config.json")
     with pytest.raises(MissingArchitectureField, match="qk_rope_head_dim"):
         Architecture.from_config({"num_hidden_layers": 2, "kv_lora_rank": 512})
+
+
+def test_weights_of_real_files_match_their_sizes(default_model_dir, tiny_model_dir):
+    from advisor.capacity import gguf_weights, safetensors_weights
+    from backends.builtin.loader import default_model_path
+
+    gguf = default_model_path()
+    weights = gguf_weights(gguf)
+    assert weights.params == 134_515_008  # SmolLM2-135M
+    assert set(weights.params_by_format) == {"Q4_1", "Q8_0", "F32"}  # layers Q4_1, embeddings Q8_0, norms F32
+    assert abs(weights.bytes - gguf.stat().st_size) / gguf.stat().st_size < 0.02  # the rest is metadata
+    assert 5.0 < weights.bits_per_weight < 6.0
+    for directory in (default_model_dir, tiny_model_dir):
+        st = safetensors_weights(directory)
+        on_disk = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+        assert abs(st.bytes - on_disk) / on_disk < 0.02
+    assert safetensors_weights(default_model_dir).params == weights.params  # the same tensors, dequantized
