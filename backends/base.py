@@ -12,6 +12,7 @@ import abc
 import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 
@@ -71,6 +72,16 @@ class Finish:
 
 
 Event = Delta | Finish
+
+
+@dataclass(frozen=True)
+class TokenSpan:
+    """One token of a tokenized text: its id, its text, and where it lies (character offsets)."""
+
+    id: int
+    text: str
+    start: int
+    stop: int
 
 
 @dataclass(frozen=True)
@@ -146,6 +157,13 @@ class UpstreamError(BackendError):
     code = "upstream_error"
 
 
+def servegate_version() -> str:
+    try:
+        return version("servegate")
+    except PackageNotFoundError:
+        return "dev"
+
+
 class Backend(abc.ABC):
     """An LLM runtime behind servegate. Implementations must be safe to call concurrently."""
 
@@ -170,5 +188,15 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def load(self) -> Load: ...
 
-    async def tokenize(self, text: str) -> list[int]:
+    async def count_prompt_tokens(self, request: GenerateRequest) -> int:
+        """Prompt tokens, for quota reservations: exact where a backend can count them cheaply,
+        else this upper bound: a byte-level tokenizer never emits more tokens than UTF-8 bytes,
+        plus a margin per chat message for the template's special tokens."""
+        if request.prompt_token_ids is not None:
+            return len(request.prompt_token_ids)
+        if request.prompt is not None:
+            return len(request.prompt.encode())
+        return sum(len(str(m.get("content") or "").encode()) + 16 for m in request.messages) + 16
+
+    async def tokenize(self, text: str) -> list[TokenSpan]:
         raise InvalidRequest(f"backend {self.name!r} does not offer tokenization")

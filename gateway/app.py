@@ -1,4 +1,4 @@
-"""The FastAPI application: routers, error handlers, backend lifecycle."""
+"""The FastAPI application: routers, error handlers, the gateway state and backend lifecycle."""
 
 from __future__ import annotations
 
@@ -7,19 +7,25 @@ import contextlib
 import logging
 
 from fastapi import FastAPI
+from sqlalchemy import Engine
 
 from backends.base import Backend
 
-from .api import health, metrics, openai
+from .api import admin, health, metrics, openai, tgi
+from .db import make_engine
 from .errors import install_error_handlers
-from .routing import ModelRouter
+from .service import Gateway
+from .settings import Settings
 
 log = logging.getLogger("servegate.gateway")
 
 
-def create_app(backends: dict[str, Backend]) -> FastAPI:
-    """An app serving `backends` (served model id -> backend). Backends start in the background,
-    so probes answer at once and /ready turns 200 when they are loaded."""
+def create_app(backends: dict[str, Backend], settings: Settings | None = None, db: Engine | None = None) -> FastAPI:
+    """An app serving `backends` (served model id -> backend) to the tenants in the database.
+    Backends start in the background, so probes answer at once and /ready turns 200 when
+    they are loaded."""
+    settings = settings or Settings()
+    gateway = Gateway(backends, settings, db or make_engine(settings.database_url))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -29,6 +35,7 @@ def create_app(backends: dict[str, Backend]) -> FastAPI:
             except Exception:
                 log.exception("backend for %s failed to start", name)
 
+        await gateway.start()
         starting = [asyncio.create_task(start(n, b)) for n, b in backends.items()]
         try:
             yield
@@ -36,11 +43,12 @@ def create_app(backends: dict[str, Backend]) -> FastAPI:
             for task in starting:
                 task.cancel()
             await asyncio.gather(*(b.close() for b in backends.values()), return_exceptions=True)
+            await gateway.close()
 
     app = FastAPI(title="servegate", version="0.1.0", lifespan=lifespan)
-    app.state.router = ModelRouter(backends)
+    app.state.gateway = gateway
     install_error_handlers(app)
-    app.include_router(health.router)
-    app.include_router(metrics.router)
-    app.include_router(openai.router)
+    for module in (health, metrics, openai, tgi, admin):
+        app.include_router(module.router)
+    app.include_router(tgi.router, prefix="/tgi/{model:path}")  # TGI routes for one model among several
     return app

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import logging
+import json
+from contextlib import contextmanager
 from typing import Annotated
 
 import typer
@@ -10,11 +11,54 @@ import typer
 from advisor.bench.cli import bench
 
 app = typer.Typer(help="servegate: LLM gateway, runtime advisor and TGI migration.", no_args_is_help=True)
+db_app = typer.Typer(help="The gateway's database.", no_args_is_help=True)
+tenants_app = typer.Typer(help="Tenants: who may call, which models, how much.", no_args_is_help=True)
+keys_app = typer.Typer(help="API keys (stored only as hashes; a new key is shown once).", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+app.add_typer(tenants_app, name="tenants")
+app.add_typer(keys_app, name="keys")
 
 
 @app.callback()
 def main() -> None:
     """servegate: LLM gateway, runtime advisor and TGI migration."""
+
+
+def _fail(message: str) -> None:
+    typer.secho(f"error: {message}", fg="red", err=True)
+    raise typer.Exit(2)
+
+
+@contextmanager
+def _session():
+    """A session on the migrated database of `SERVEGATE_DATABASE_URL`; errors end the command."""
+    from sqlmodel import Session
+
+    from .db import NotMigrated, check_migrated, make_engine
+    from .errors import GatewayError
+    from .settings import Settings
+
+    engine = make_engine(Settings().database_url)
+    try:
+        check_migrated(engine)
+        with Session(engine) as session:
+            yield session
+    except (NotMigrated, GatewayError) as exc:
+        _fail(str(exc))
+
+
+def _print(rows: list, as_json: bool, columns: list[str]) -> None:
+    data = [r if isinstance(r, dict) else r.model_dump(mode="json") for r in rows]
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(*columns)
+    for row in data:
+        table.add_row(*("" if row[c] is None else str(row[c]) for c in columns))
+    Console().print(table)
 
 
 @app.command()
@@ -35,14 +79,37 @@ def serve(
         "--no-prefix-caching", help="Disable automatic prefix caching.")] = False,
     log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
 ) -> None:
-    """Serve the OpenAI-compatible API in front of the built-in engine."""
+    """Serve the OpenAI- and TGI-compatible APIs in front of the built-in engine.
+
+    Settings come from SERVEGATE_* variables (database, Redis, JWT, limits; see docs). A new
+    SQLite database is created at once; any other must be migrated with `servegate db upgrade`.
+    On a database without keys, a `default` tenant and an admin key are created and the key is
+    printed once (or taken from SERVEGATE_ADMIN_KEY)."""
     import uvicorn
+    from sqlmodel import Session
 
     from backends.builtin import BuiltinBackend, EngineConfig
 
     from .app import create_app
+    from .db import NotMigrated, check_migrated, is_new_sqlite, make_engine, upgrade
+    from .settings import Settings
+    from .telemetry import configure_logging
+    from .tenancy import bootstrap
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(log_level)
+    settings = Settings()
+    new = is_new_sqlite(settings.database_url)
+    db = make_engine(settings.database_url)
+    if new:
+        upgrade(db)
+    try:
+        check_migrated(db)
+    except NotMigrated as exc:
+        _fail(str(exc))
+    with Session(db) as session:
+        key = bootstrap(session, settings.admin_key)
+    if key and not settings.admin_key:
+        typer.echo(f"Created tenant `default` and its admin key (shown once, store it now):\n{key}", err=True)
     config = EngineConfig(
         model=model, served_name=served_name, device=device, dtype=dtype, kv_cache_tokens=kv_cache_tokens,
         kv_cache_dtype=kv_cache_dtype, weight_quant=weight_quant,
@@ -50,7 +117,187 @@ def serve(
         enable_prefix_caching=not no_prefix_caching,
     )
     backend = BuiltinBackend(config)
-    uvicorn.run(create_app({backend.model_id: backend}), host=host, port=port, log_level=log_level)
+    uvicorn.run(create_app({backend.model_id: backend}, settings, db), host=host, port=port,
+                log_level=log_level, log_config=None)
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head") -> None:
+    """Run the migrations (creates the database schema on first use)."""
+    from .db import make_engine, revisions, upgrade
+    from .settings import Settings
+
+    engine = make_engine(Settings().database_url)
+    upgrade(engine, revision)
+    typer.echo(f"database at revision {revisions(engine)[0]}")
+
+
+@db_app.command("current")
+def db_current() -> None:
+    """The database's revision and the code's."""
+    from .db import make_engine, revisions
+    from .settings import Settings
+
+    current, head = revisions(make_engine(Settings().database_url))
+    typer.echo(f"database: {current or 'none'}, code: {head}")
+
+
+LIMIT_OPTIONS = ("rpm", "tpm", "tokens_per_day", "max_concurrency", "max_tokens_per_request")
+
+
+@tenants_app.command("create")
+def tenants_create(
+    name: str,
+    rpm: Annotated[int | None, typer.Option(help="Requests per minute.")] = None,
+    tpm: Annotated[int | None, typer.Option(help="Tokens per minute.")] = None,
+    tokens_per_day: Annotated[int | None, typer.Option(help="Tokens per day.")] = None,
+    max_concurrency: Annotated[int | None, typer.Option(help="Requests in flight at once.")] = None,
+    max_tokens_per_request: Annotated[int | None, typer.Option(help="Cap on max_tokens.")] = None,
+    models: Annotated[str, typer.Option(help="Models it may use, comma separated (default: all).")] = "",
+    tier: Annotated[str, typer.Option(help="Tier, for routing rules.")] = "standard",
+) -> None:
+    """Create a tenant."""
+    from pydantic import ValidationError
+
+    from .tenancy import TenantIn, cli_actor, create_tenant
+
+    with _session() as session:
+        try:
+            data = TenantIn(name=name, tier=tier, models=[m for m in models.split(",") if m], rpm=rpm, tpm=tpm,
+                            tokens_per_day=tokens_per_day, max_concurrency=max_concurrency,
+                            max_tokens_per_request=max_tokens_per_request)
+        except ValidationError as exc:
+            _fail(exc.errors()[0]["msg"])
+        tenant = create_tenant(session, cli_actor(), data)
+    typer.echo(f"created tenant {tenant.name}")
+
+
+@tenants_app.command("list")
+def tenants_list(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """List tenants and their limits."""
+    from .tenancy import list_tenants
+
+    with _session() as session:
+        _print(list_tenants(session), as_json, ["name", "tier", "models", "disabled", *LIMIT_OPTIONS])
+
+
+@tenants_app.command("update")
+def tenants_update(
+    name: str,
+    rpm: Annotated[int | None, typer.Option(help="Requests per minute (0 lifts the limit).")] = None,
+    tpm: Annotated[int | None, typer.Option(help="Tokens per minute (0 lifts the limit).")] = None,
+    tokens_per_day: Annotated[int | None, typer.Option(help="Tokens per day (0 lifts the limit).")] = None,
+    max_concurrency: Annotated[int | None, typer.Option(help="Requests in flight (0 lifts the limit).")] = None,
+    max_tokens_per_request: Annotated[int | None, typer.Option(help="Cap on max_tokens (0 lifts it).")] = None,
+    models: Annotated[str | None, typer.Option(help="Models it may use, comma separated ('' = all).")] = None,
+    tier: Annotated[str | None, typer.Option()] = None,
+    disable: Annotated[bool | None, typer.Option("--disable/--enable", help="Refuse or accept its keys.")] = None,
+) -> None:
+    """Change a tenant's limits, models, tier, or disable it."""
+    from .tenancy import TenantPatch, cli_actor, update_tenant
+
+    given = {"rpm": rpm, "tpm": tpm, "tokens_per_day": tokens_per_day, "max_concurrency": max_concurrency,
+             "max_tokens_per_request": max_tokens_per_request}
+    changes = {k: (v or None) for k, v in given.items() if v is not None}
+    if models is not None:
+        changes["models"] = [m for m in models.split(",") if m]
+    if tier is not None:
+        changes["tier"] = tier
+    if disable is not None:
+        changes["disabled"] = disable
+    with _session() as session:
+        tenant = update_tenant(session, cli_actor(), name, TenantPatch(**changes))
+    typer.echo(f"updated tenant {tenant.name}")
+
+
+@keys_app.command("create")
+def keys_create(
+    tenant: Annotated[str, typer.Option(help="The tenant the key acts for.")],
+    scope: Annotated[list[str], typer.Option(help="inference | admin (repeat for both).")] = ["inference"],  # noqa: B006
+    name: Annotated[str, typer.Option(help="A label for the key.")] = "",
+    expires_in_days: Annotated[float | None, typer.Option(help="Expiry.")] = None,
+    rpm: Annotated[int | None, typer.Option(help="This key's own requests per minute.")] = None,
+    tpm: Annotated[int | None, typer.Option(help="This key's own tokens per minute.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the key record as JSON.")] = False,
+) -> None:
+    """Create a key; the key is printed alone on the last line, once."""
+    from pydantic import ValidationError
+
+    from .tenancy import KeyIn, cli_actor, create_key
+
+    with _session() as session:
+        try:
+            data = KeyIn(tenant=tenant, scopes=scope, name=name, expires_in_days=expires_in_days, rpm=rpm, tpm=tpm)
+        except ValidationError as exc:
+            _fail(f"{'.'.join(map(str, exc.errors()[0]['loc']))}: {exc.errors()[0]['msg']}")
+        created = create_key(session, cli_actor(), data)
+    if as_json:
+        typer.echo(created.model_dump_json(indent=2))
+        return
+    typer.echo(f"created key {created.prefix} for tenant {created.tenant} (scopes: {', '.join(created.scopes)})")
+    typer.echo(created.key)
+
+
+@keys_app.command("list")
+def keys_list(tenant: Annotated[str | None, typer.Option()] = None,
+              as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """List keys (prefixes only: keys are never stored)."""
+    from .tenancy import list_keys
+
+    with _session() as session:
+        _print(list_keys(session, tenant), as_json,
+               ["prefix", "tenant", "name", "scopes", "created_at", "expires_at", "revoked_at"])
+
+
+@keys_app.command("revoke")
+def keys_revoke(prefix: str) -> None:
+    """Revoke a key; every replica refuses it within the refresh interval."""
+    from .tenancy import cli_actor, revoke_key
+
+    with _session() as session:
+        key = revoke_key(session, cli_actor(), prefix)
+    typer.echo(f"revoked key {key.prefix} of tenant {key.tenant}")
+
+
+@keys_app.command("rotate")
+def keys_rotate(prefix: str) -> None:
+    """Replace a key by a new one with the same tenant, scopes and limits; prints the new key."""
+    from .tenancy import cli_actor, rotate_key
+
+    with _session() as session:
+        created = rotate_key(session, cli_actor(), prefix)
+    typer.echo(f"revoked key {prefix}; created key {created.prefix} for tenant {created.tenant}")
+    typer.echo(created.key)
+
+
+@app.command()
+def usage(
+    tenant: Annotated[str | None, typer.Option(help="Only this tenant.")] = None,
+    since: Annotated[str | None, typer.Option(help="ISO time (UTC if no zone).")] = None,
+    until: Annotated[str | None, typer.Option(help="ISO time (UTC if no zone).")] = None,
+    limit: Annotated[int, typer.Option(help="Records to list.")] = 20,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Usage totals and the latest records, from the database."""
+    from datetime import datetime
+
+    from .tenancy import usage_report
+
+    try:
+        start, end = (datetime.fromisoformat(t) if t else None for t in (since, until))
+    except ValueError as exc:
+        _fail(f"bad time: {exc}")
+    with _session() as session:
+        report = usage_report(session, tenant, start, end, limit)
+    if as_json:
+        typer.echo(report.model_dump_json(indent=2))
+        return
+    t = report.totals
+    typer.echo(f"{t.requests} requests, {t.prompt_tokens} prompt tokens ({t.cached_tokens} cached), "
+               f"{t.completion_tokens} completion tokens")
+    columns = ["started_at", "tenant", "key_prefix", "model", "status", "prompt_tokens", "completion_tokens",
+               "latency_ms"]
+    _print(report.records, False, columns)
 
 
 # `servegate bench` lives in the advisor: it is the advisor's measuring instrument too.

@@ -1,29 +1,41 @@
-"""FastAPI dependencies shared by the routers."""
+"""FastAPI dependencies shared by the routers: the gateway state and who is calling."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Depends, Request
 
-from .routing import ModelRouter
-
-
-@dataclass(frozen=True)
-class Principal:
-    """Who is calling. Tenants and API keys replace the anonymous principal in the gateway issue."""
-
-    tenant: str = "default"
-    key_prefix: str | None = None
-    scopes: frozenset[str] = frozenset({"inference"})
+from .auth import Principal
+from .errors import GatewayError
+from .service import Gateway
 
 
-ANONYMOUS = Principal()
+def get_gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
 
 
-async def authenticate(request: Request) -> Principal:
-    return ANONYMOUS
+def credential(request: Request) -> str | None:
+    """The key as clients send it: `Authorization: Bearer`, or Azure-style `api-key` / `x-api-key`."""
+    headers = request.headers
+    authorization = headers.get("authorization")
+    if authorization:
+        scheme, _, token = authorization.partition(" ")
+        return token.strip() if scheme.lower() == "bearer" else None
+    return headers.get("x-api-key") or headers.get("api-key")
 
 
-def get_router(request: Request) -> ModelRouter:
-    return request.app.state.router
+def _require(scope: str):
+    async def principal(request: Request, gateway: Annotated[Gateway, Depends(get_gateway)]) -> Principal:
+        who = gateway.directory.authenticate(credential(request))
+        if scope not in who.scopes:
+            raise GatewayError(403, f"This key lacks the `{scope}` scope.", "permission_error",
+                               code="insufficient_scope")
+        return who
+
+    return principal
+
+
+InferencePrincipal = Annotated[Principal, Depends(_require("inference"))]
+AdminPrincipal = Annotated[Principal, Depends(_require("admin"))]
+GatewayDep = Annotated[Gateway, Depends(get_gateway)]

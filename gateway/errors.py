@@ -1,6 +1,13 @@
-"""Errors as clients expect them: OpenAI's `{"error": {message, type, param, code}}`."""
+"""Errors as each API's clients expect them.
+
+OpenAI routes answer `{"error": {message, type, param, code}}`; TGI routes answer
+`{"error", "error_type"}` with TGI's statuses (422 validation, 424 generation, 429 overloaded).
+Every error, from a backend or from the gateway itself, becomes a `GatewayError` first.
+"""
 
 from __future__ import annotations
+
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,7 +25,9 @@ from backends.base import (
     UpstreamError,
 )
 
-# error class -> (HTTP status, OpenAI error type)
+log = logging.getLogger("servegate.errors")
+
+# backend error class -> (HTTP status, OpenAI error type)
 STATUS = {
     ContextTooLong: (400, "invalid_request_error"),
     InvalidRequest: (400, "invalid_request_error"),
@@ -30,52 +39,76 @@ STATUS = {
 }
 
 
-def status_of(error: BackendError) -> tuple[int, str]:
-    for cls in type(error).__mro__:
-        if cls in STATUS:
-            return STATUS[cls]
-    return 502, "upstream_error"
+class GatewayError(Exception):
+    def __init__(self, status: int, message: str, type_: str, *, code: str | None = None,
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+        self.headers = headers
+
+    @classmethod
+    def of(cls, error: BackendError) -> GatewayError:
+        status, type_ = next((STATUS[c] for c in type(error).__mro__ if c in STATUS), (502, "upstream_error"))
+        headers = {"Retry-After": "1"} if error.retryable else None
+        return cls(status, error.message, type_, code=error.code, param=error.param, headers=headers)
+
+    def openai_body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def tgi_status(self) -> int:
+        if self.status in (400, 404):
+            return 422
+        if self.status == 503:
+            return 429
+        if self.status in (502, 504):
+            return 424
+        return self.status
+
+    def tgi_body(self) -> dict:
+        kind = {422: "validation", 424: "generation", 429: "overloaded"}.get(self.tgi_status(), self.type)
+        return {"error": self.message, "error_type": kind}
 
 
-def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+def is_tgi(request: Request) -> bool:
+    route = request.scope.get("route")
+    return "tgi" in getattr(route, "tags", ())
 
 
-def backend_error_body(error: BackendError) -> dict:
-    return error_body(error.message, status_of(error)[1], error.param, error.code)
+def error_response(request: Request, error: GatewayError) -> JSONResponse:
+    if is_tgi(request):
+        return JSONResponse(error.tgi_body(), status_code=error.tgi_status(), headers=error.headers)
+    return JSONResponse(error.openai_body(), status_code=error.status, headers=error.headers)
 
 
-def backend_error_response(error: BackendError) -> JSONResponse:
-    status, _ = status_of(error)
-    headers = {"Retry-After": "1"} if error.retryable else None
-    return JSONResponse(backend_error_body(error), status_code=status, headers=headers)
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _validation_error(exc: RequestValidationError) -> GatewayError:
     first = exc.errors()[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
-        return f"Invalid JSON in the request body: {first.get('msg')}", None
+        return GatewayError(400, f"Invalid JSON in the request body: {first.get('msg')}", "invalid_request_error")
     where = ".".join(loc) or "body"
-    return f"{where}: {first.get('msg')}", (loc[0] if loc else None)
+    return GatewayError(400, f"{where}: {first.get('msg')}", "invalid_request_error", param=loc[0] if loc else None)
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(GatewayError)
+    async def _gateway(request: Request, exc: GatewayError) -> JSONResponse:
+        return error_response(request, exc)
+
     @app.exception_handler(BackendError)
-    async def _backend(_: Request, exc: BackendError) -> JSONResponse:
-        return backend_error_response(exc)
+    async def _backend(request: Request, exc: BackendError) -> JSONResponse:
+        return error_response(request, GatewayError.of(exc))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
-        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(request, _validation_error(exc))
 
     @app.exception_handler(HTTPException)
-    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(exc.detail), type_), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return error_response(request, GatewayError(exc.status_code, str(exc.detail), type_,
+                                                    headers=getattr(exc, "headers", None)))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_body("internal error", "server_error"), status_code=500)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(request, GatewayError(500, "internal error", "server_error"))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from backends.base import Backend, Delta, Event, Finish, GenerateRequest, UpstreamError
+from backends.base import Delta, Event, Finish, UpstreamError
 
 
 class ClientDisconnected(Exception):
@@ -43,9 +43,8 @@ async def until_disconnect(request: Request, awaitable: Awaitable):
         watcher.cancel()
 
 
-async def open_stream(backend: Backend, greq: GenerateRequest, request: Request) -> tuple[Event, AsyncIterator[Event]]:
+async def open_stream(events: AsyncIterator[Event], request: Request) -> tuple[Event, AsyncIterator[Event]]:
     """Start generation and wait for its first event (errors raise here, before any byte)."""
-    events = backend.generate(greq)
     try:
         first = await until_disconnect(request, anext(events))
     except BaseException:

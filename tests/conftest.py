@@ -1,4 +1,5 @@
-"""Shared fixtures: the default model loaded once, engines on it, and a block-leak check."""
+"""Shared fixtures: the default model loaded once, engines on it, a block-leak check, and
+gateway apps on a fresh database."""
 
 from __future__ import annotations
 
@@ -85,6 +86,28 @@ def hf_model():
 
     path = default_model_path()
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+ADMIN_KEY = "sg-test-admin-key"  # the bootstrap admin key of every test gateway
+AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+def gateway_app(backends: dict, home: Path, db_url: str | None = None, **settings):
+    """A gateway app on a migrated database (SQLite under `home` unless `db_url`), whose
+    `default` tenant holds the admin key ADMIN_KEY."""
+    from sqlmodel import Session
+
+    from gateway.app import create_app
+    from gateway.db import make_engine, upgrade
+    from gateway.settings import Settings
+    from gateway.tenancy import bootstrap
+
+    config = Settings(database_url=db_url or f"sqlite:///{home}/servegate.db", spool_dir=home / "spool", **settings)
+    db = make_engine(config.database_url)
+    upgrade(db)
+    with Session(db) as session:
+        bootstrap(session, ADMIN_KEY)
+    return create_app(backends, config, db)
 
 
 def free_port() -> int:

@@ -16,10 +16,9 @@ from advisor.bench.metrics import RequestResult, knee, kv_summary, parse_goodput
 from advisor.bench.plot import plot_sweep
 from backends.base import GenerateRequest
 from backends.builtin import BuiltinBackend, EngineConfig
-from gateway.app import create_app
 from gateway.cli import app
 
-from .conftest import serve_app, wait_ready
+from .conftest import ADMIN_KEY, gateway_app, serve_app, wait_ready
 
 STATS = ("mean", "median", "std", "p50", "p95", "p99")
 VLLM_KEYS = {"duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
@@ -121,9 +120,9 @@ def test_trace_lines_are_checked(tmp_path, default_model):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
+def server(tiny_model_dir, tmp_path_factory):
     backend = BuiltinBackend(EngineConfig(model=str(tiny_model_dir), dtype="float64", served_name="tiny"))
-    with serve_app(create_app({"tiny": backend})) as url:
+    with serve_app(gateway_app({"tiny": backend}, tmp_path_factory.mktemp("gw"))) as url:
         wait_ready(url)
         yield url, backend
 
@@ -132,7 +131,8 @@ def test_bench_end_to_end_against_servegate_serve(server, tmp_path):
     url, backend = server
     out = tmp_path / "result.json"
     result = CliRunner().invoke(app, [
-        "bench", "--target", url, "--dataset", "shared-prefix", "--num-prompts", "8", "--gsp-num-groups", "2",
+        "bench", "--target", url, "--api-key", ADMIN_KEY, "--dataset", "shared-prefix", "--num-prompts", "8",
+        "--gsp-num-groups", "2",
         "--gsp-system-prompt-len", "64", "--gsp-question-len", "8", "--gsp-output-len", "6",
         "--request-rate", "20", "--goodput", "ttft:60000", "--seed", "1", "--output", str(out)])
     assert result.exit_code == 0, result.output
@@ -153,7 +153,8 @@ def test_bench_reports_failures_instead_of_crashing(server, tmp_path):
     url, _ = server
     out = tmp_path / "result.json"
     result = CliRunner().invoke(app, [
-        "bench", "--target", url, "--model", "no-such-model", "--num-prompts", "3", "--random-input-len", "8",
+        "bench", "--target", url, "--api-key", ADMIN_KEY, "--model", "no-such-model", "--num-prompts", "3",
+        "--random-input-len", "8",
         "--random-output-len", "2", "--num-warmups", "0", "--output", str(out)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())

@@ -13,10 +13,10 @@ import openai
 import pytest
 import torch
 
+from advisor.bench.baselines import servegate_env
 from backends.builtin import BuiltinBackend, EngineConfig
-from gateway.app import create_app
 
-from .conftest import free_port, serve_app, wait_ready
+from .conftest import ADMIN_KEY, AUTH, free_port, gateway_app, serve_app, wait_ready
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -27,8 +27,8 @@ def backend():
 
 
 @pytest.fixture(scope="module")
-def base_url(backend):
-    with serve_app(create_app({backend.model_id: backend})) as url:
+def base_url(backend, tmp_path_factory):
+    with serve_app(gateway_app({backend.model_id: backend}, tmp_path_factory.mktemp("gw"))) as url:
         first_ready = httpx.get(f"{url}/ready")
         wait_ready(url)
         yield url, first_ready
@@ -38,7 +38,7 @@ def base_url(backend):
 
 @pytest.fixture
 def client(base_url):
-    return openai.OpenAI(base_url=f"{base_url[0]}/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=f"{base_url[0]}/v1", api_key=ADMIN_KEY, max_retries=0)
 
 
 def test_probes_and_models(base_url, client):
@@ -115,9 +115,10 @@ def test_bad_inputs_get_clear_openai_errors(base_url, client):
     assert "logprobs" in unsupported.value.message
     url = base_url[0]
     bad_json = httpx.post(f"{url}/v1/chat/completions", content=b'{"model": ',
-                          headers={"content-type": "application/json"})
+                          headers={"content-type": "application/json", **AUTH})
     assert bad_json.status_code == 400 and "JSON" in bad_json.json()["error"]["message"]
-    bad_stream = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x " * 9000, "stream": True})
+    bad_stream = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x " * 9000, "stream": True},
+                            headers=AUTH)
     assert bad_stream.status_code == 400 and bad_stream.json()["error"]["code"] == "context_length_exceeded"
 
 
@@ -125,7 +126,7 @@ def test_client_disconnect_frees_blocks_within_a_step(base_url, backend):
     url = base_url[0]
     engine = backend.engine
     with httpx.Client(timeout=30) as http:
-        with http.stream("POST", f"{url}/v1/completions", json={
+        with http.stream("POST", f"{url}/v1/completions", headers=AUTH, json={
             "model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True,
             "temperature": 0, "stream": True,
         }) as response:
@@ -146,7 +147,7 @@ def test_non_streaming_client_that_leaves_cancels_the_request(base_url, backend)
     url, engine = base_url[0], backend.engine
 
     async def leave_early():
-        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        async with httpx.AsyncClient(base_url=url, timeout=60, headers=AUTH) as http:
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(http.post("/v1/completions", json={
                     "model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True}), 1.5)
@@ -162,7 +163,7 @@ def test_failing_request_does_not_disturb_the_batch(base_url):
     url = base_url[0]
 
     async def scenario():
-        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        async with httpx.AsyncClient(base_url=url, timeout=60, headers=AUTH) as http:
             long = asyncio.create_task(http.post("/v1/completions", json={
                 "model": MODEL, "prompt": "Count:", "max_tokens": 40, "temperature": 0, "ignore_eos": True}))
             await asyncio.sleep(0.2)
@@ -178,25 +179,33 @@ def test_failing_request_does_not_disturb_the_batch(base_url):
     assert long.status_code == 200 and long.json()["usage"]["completion_tokens"] == 40
 
 
-def test_servegate_serve_cli_answers_the_openai_sdk():
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ})
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"{url}/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "servegate serve did not become ready"
-            time.sleep(0.2)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}],
-                                               max_tokens=8)
-        assert reply.choices[0].message.content and reply.usage.completion_tokens <= 8
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+def test_servegate_serve_cli_bootstraps_a_key_and_answers_the_openai_sdk(tmp_path):
+    port, url = free_port(), None
+    log = tmp_path / "serve.log"
+    with servegate_env() as (env, _), open(log, "w") as out:
+        env.pop("SERVEGATE_ADMIN_KEY")  # the first start creates the admin key and prints it once
+        proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port)],
+                                stdout=out, stderr=out, env={**os.environ, **env})
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 180
+            while True:
+                try:
+                    if httpx.get(f"{url}/ready").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert proc.poll() is None and time.monotonic() < deadline, "servegate serve did not become ready"
+                time.sleep(0.2)
+            lines = log.read_text().splitlines()
+            key = lines[lines.index(next(x for x in lines if x.startswith("Created tenant `default`"))) + 1]
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+            reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}],
+                                                   max_tokens=8)
+            assert reply.choices[0].message.content and reply.usage.completion_tokens <= 8
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=f"{url}/v1", api_key="sg_00000000_wrong", max_retries=0).models.list()
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+        assert key not in log.read_text().split(key, 1)[1], "the key was printed more than once"

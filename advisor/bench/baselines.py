@@ -142,10 +142,11 @@ class HFStaticBackend(Backend):
 
 
 @contextlib.contextmanager
-def server_process(command: list[str], base_url: str, ready_path: str, timeout: float = 300) -> Iterator[str]:
+def server_process(command: list[str], base_url: str, ready_path: str, timeout: float = 300,
+                   env: dict[str, str] | None = None) -> Iterator[str]:
     """Run a server as a subprocess until the block ends; yields its base URL once it answers."""
     log = open(os.devnull, "w")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -179,6 +180,18 @@ def servegate_command(port: int, model: str = "") -> list[str]:
     return command + (["--model", model] if model else [])
 
 
+@contextlib.contextmanager
+def servegate_env() -> Iterator[tuple[dict[str, str], str]]:
+    """A throwaway database, spool and admin key for a `servegate serve` subprocess: (env, key)."""
+    import secrets
+    import tempfile
+
+    key = f"sg-bench-{secrets.token_hex(16)}"
+    with tempfile.TemporaryDirectory(prefix="servegate-") as home:
+        yield {"SERVEGATE_DATABASE_URL": f"sqlite:///{home}/servegate.db", "SERVEGATE_SPOOL_DIR": f"{home}/spool",
+               "SERVEGATE_ADMIN_KEY": key}, key
+
+
 # llama-cpp-default keeps the server's default interrupt_requests=True, to show what it does.
 SYSTEMS = ("builtin", "builtin-int8", "hf-static", "llama-cpp", "llama-cpp-default")
 
@@ -203,8 +216,9 @@ def system_target(name: str, model: str | None = None):
     url = f"http://127.0.0.1:{port}"
     if name in ("builtin", "builtin-int8"):
         extra = ["--weight-quant", "int8"] if name == "builtin-int8" else []
-        with server_process(servegate_command(port, model or "") + extra, url, "/ready"):
-            yield OpenAITarget(url)
+        with servegate_env() as (env, key), server_process(servegate_command(port, model or "") + extra, url, "/ready",
+                                                             env=env):
+            yield OpenAITarget(url, api_key=key)
     elif name in ("llama-cpp", "llama-cpp-default"):
         command = llama_cpp_command(gguf, port, interrupt_requests=name == "llama-cpp-default")
         with server_process(command, url, "/v1/models"):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from ..base import (
@@ -19,8 +18,10 @@ from ..base import (
     Health,
     InvalidRequest,
     Load,
+    TokenSpan,
     Unavailable,
     Usage,
+    servegate_version,
 )
 from .config import EngineConfig
 from .engine import AsyncLLMEngine, LLMEngine
@@ -32,13 +33,6 @@ log = logging.getLogger("servegate.builtin")
 MAX_N = 16
 # OpenAI fields a client may send that change nothing here.
 HARMLESS_EXTRAS = {"user", "parallel_tool_calls", "metadata", "store", "service_tier"}
-
-
-def _package_version() -> str:
-    try:
-        return version("servegate")
-    except PackageNotFoundError:
-        return "dev"
 
 
 class BuiltinBackend(Backend):
@@ -143,7 +137,7 @@ class BuiltinBackend(Backend):
     async def capabilities(self) -> Capabilities:
         engine = self.engine
         return Capabilities(
-            runtime="servegate-builtin", version=_package_version(), model=self.model_id,
+            runtime="servegate-builtin", version=servegate_version(), model=self.model_id,
             max_context=engine.max_model_len if engine else 0,
             prefix_caching=self.config.enable_prefix_caching,
             kv_dtype=self.config.dtype if self.config.kv_cache_dtype == "auto" else self.config.kv_cache_dtype,
@@ -169,9 +163,14 @@ class BuiltinBackend(Backend):
             prefix_hit_rate=stats["prefix_cache_hits_total"] / queries if queries else None, details=stats,
         )
 
-    async def tokenize(self, text: str) -> list[int]:
+    async def count_prompt_tokens(self, request: GenerateRequest) -> int:
         engine, _ = self._ready()
-        return engine.tokenizer.encode(text)
+        return len(self._prompt_ids(engine, request))
+
+    async def tokenize(self, text: str) -> list[TokenSpan]:
+        engine, _ = self._ready()
+        encoded = engine.tokenizer(text, return_offsets_mapping=True)
+        return [TokenSpan(i, text[a:b], a, b) for i, (a, b) in zip(encoded["input_ids"], encoded["offset_mapping"])]
 
 
 def _plain_message(message: dict) -> dict:

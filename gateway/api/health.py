@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from backends.base import Health
 
-from ..deps import get_router
-from ..routing import ModelRouter
+from ..deps import GatewayDep
 
 router = APIRouter(tags=["probes"])
 
@@ -21,7 +18,7 @@ async def health() -> dict:
 
 
 @router.get("/ready")
-async def ready(models: Annotated[ModelRouter, Depends(get_router)]) -> JSONResponse:
-    states = {model: (await backend.health()).value for model, backend in models.backends.items()}
+async def ready(gateway: GatewayDep) -> JSONResponse:
+    states = {model: (await backend.health()).value for model, backend in gateway.router.backends.items()}
     ok = bool(states) and all(s == Health.READY for s in states.values())
     return JSONResponse({"status": "ready" if ok else "not ready", "models": states}, status_code=200 if ok else 503)

@@ -1,17 +1,15 @@
-"""Prometheus `/metrics`: every backend's live load, its KV cache and scheduling figures included."""
+"""Prometheus `/metrics`: the gateway's own figures, and every backend's live load (KV cache and
+scheduling figures included)."""
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from backends.base import Load
 
-from ..deps import get_router
-from ..routing import ModelRouter
+from ..deps import GatewayDep
 
 router = APIRouter(tags=["probes"])
 PREFIX = "servegate_backend_"
@@ -44,8 +42,11 @@ class LoadCollector:
 
 
 @router.get("/metrics")
-async def metrics(models: Annotated[ModelRouter, Depends(get_router)]) -> Response:
-    loads = {model: await backend.load() for model, backend in models.backends.items()}
-    registry = CollectorRegistry()
-    registry.register(LoadCollector(loads))
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+async def metrics(gateway: GatewayDep) -> Response:
+    for model, admission in gateway.admission.items():
+        gateway.metrics.queued.labels(model).set(admission.queued)
+    loads = {model: await backend.load() for model, backend in gateway.router.backends.items()}
+    backends = CollectorRegistry()
+    backends.register(LoadCollector(loads))
+    body = generate_latest(gateway.metrics.registry) + generate_latest(backends)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

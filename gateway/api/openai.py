@@ -8,16 +8,18 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from backends.base import BackendError, Delta, Finish, GenerateRequest, InvalidRequest, Usage
 
-from ..deps import Principal, authenticate, get_router
-from ..errors import backend_error_body
-from ..generation import ClientDisconnected, collect, open_stream, resume
-from ..routing import ModelRouter
+from ..auth import Principal
+from ..calls import Call
+from ..deps import GatewayDep, InferencePrincipal
+from ..errors import GatewayError
+from ..generation import ClientDisconnected, collect, resume
+from ..service import Gateway
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -84,9 +86,9 @@ def sse(data: dict | str) -> bytes:
 class Responder:
     """Builds one endpoint's response bodies: chat and text completions differ only in shape."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool) -> None:
+    def __init__(self, chat: bool, model: str, include_usage: bool, request_id: str) -> None:
         self.chat, self.model, self.include_usage = chat, model, include_usage
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.id = request_id  # the usage ledger's key too
         self.created = int(time.time())
 
     def _envelope(self, choices: list[dict], chunk: bool) -> dict:
@@ -124,15 +126,19 @@ class Responder:
                 elif isinstance(event, Finish) and self.include_usage:
                     yield sse(self._envelope([], chunk=True) | {"usage": usage_json(event.usage)})
         except BackendError as exc:  # mid-stream failure: an error event, never a silent clean end
-            yield sse(backend_error_body(exc))
+            yield sse(GatewayError.of(exc).openai_body())
         yield sse("[DONE]")
 
 
-async def _respond(request: Request, body: SamplingRequest, model: str, backend, greq: GenerateRequest, chat: bool):
+async def _respond(request: Request, gateway: Gateway, principal: Principal, body: SamplingRequest,
+                   chat: bool, **prompt: Any):
+    model, backend = gateway.resolve(principal, body.model)
+    greq = body.generate_request(model, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", **prompt)
+    call = Call(gateway, principal, model, backend, greq, api="openai", stream=body.stream)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    responder = Responder(chat, model, include_usage)
+    responder = Responder(chat, model, include_usage, greq.request_id)
     try:
-        first, events = await open_stream(backend, greq, request)
+        first, events = await call.open(request)
         if body.stream:
             return StreamingResponse(responder.stream(resume(first, events), body.n), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -143,24 +149,16 @@ async def _respond(request: Request, body: SamplingRequest, model: str, backend,
 
 
 @router.post("/chat/completions")
-async def chat_completions(
-    request: Request, body: ChatCompletionRequest,
-    principal: Annotated[Principal, Depends(authenticate)], models: Annotated[ModelRouter, Depends(get_router)],
-):
-    model, backend = models.resolve(body.model)
+async def chat_completions(request: Request, body: ChatCompletionRequest, principal: InferencePrincipal,
+                           gateway: GatewayDep):
     if body.max_completion_tokens is not None:
         body.max_tokens = body.max_completion_tokens
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    greq = body.generate_request(model, f"chatcmpl-{uuid.uuid4().hex}", messages=messages)
-    return await _respond(request, body, model, backend, greq, chat=True)
+    return await _respond(request, gateway, principal, body, chat=True, messages=messages)
 
 
 @router.post("/completions")
-async def completions(
-    request: Request, body: CompletionRequest,
-    principal: Annotated[Principal, Depends(authenticate)], models: Annotated[ModelRouter, Depends(get_router)],
-):
-    model, backend = models.resolve(body.model)
+async def completions(request: Request, body: CompletionRequest, principal: InferencePrincipal, gateway: GatewayDep):
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -169,15 +167,14 @@ async def completions(
     if not prompt:
         raise InvalidRequest("the prompt is empty", param="prompt")
     kind = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
-    greq = body.generate_request(model, f"cmpl-{uuid.uuid4().hex}", **kind)
-    return await _respond(request, body, model, backend, greq, chat=False)
+    return await _respond(request, gateway, principal, body, chat=False, **kind)
 
 
 @router.get("/models")
-async def list_models(
-    principal: Annotated[Principal, Depends(authenticate)], models: Annotated[ModelRouter, Depends(get_router)],
-):
+async def list_models(principal: InferencePrincipal, gateway: GatewayDep):
+    """The models the caller's tenant may use."""
     created = int(time.time())
     return {"object": "list", "data": [
-        {"id": m, "object": "model", "created": created, "owned_by": "servegate"} for m in models.models()
+        {"id": m, "object": "model", "created": created, "owned_by": "servegate"}
+        for m in gateway.visible_models(principal)
     ]}

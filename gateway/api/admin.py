@@ -1,0 +1,94 @@
+"""Admin API (`/admin/...`, admin-scope keys only): tenants, keys, usage, audit log.
+Changes take effect in this process at once and on other replicas within the refresh interval."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query
+from sqlmodel import Session, col, select
+
+from .. import tenancy
+from ..deps import AdminPrincipal, GatewayDep
+from ..models import AuditLog
+from ..service import Gateway
+from ..tenancy import KeyCreated, KeyIn, KeyOut, TenantIn, TenantOut, TenantPatch, UsageReport
+
+router = APIRouter(prefix="/admin", tags=["admin"])
+
+
+def get_session(gateway: GatewayDep) -> Iterator[Session]:
+    with Session(gateway.db) as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+
+
+def _changed(gateway: Gateway) -> None:
+    gateway.directory.load()  # this replica sees the change now, the others at their next refresh
+
+
+@router.get("/tenants", response_model=list[TenantOut])
+def list_tenants(_: AdminPrincipal, session: SessionDep):
+    return tenancy.list_tenants(session)
+
+
+@router.post("/tenants", response_model=TenantOut, status_code=201)
+def create_tenant(body: TenantIn, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep):
+    tenant = tenancy.create_tenant(session, admin.subject, body)
+    _changed(gateway)
+    return tenant
+
+
+@router.get("/tenants/{name}", response_model=TenantOut)
+def get_tenant(name: str, _: AdminPrincipal, session: SessionDep):
+    return TenantOut.model_validate(tenancy.get_tenant(session, name), from_attributes=True)
+
+
+@router.patch("/tenants/{name}", response_model=TenantOut)
+def update_tenant(name: str, body: TenantPatch, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep):
+    tenant = tenancy.update_tenant(session, admin.subject, name, body)
+    _changed(gateway)
+    return tenant
+
+
+@router.get("/keys", response_model=list[KeyOut])
+def list_keys(_: AdminPrincipal, session: SessionDep, tenant: str | None = None):
+    return tenancy.list_keys(session, tenant)
+
+
+@router.post("/keys", response_model=KeyCreated, status_code=201)
+def create_key(body: KeyIn, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep):
+    key = tenancy.create_key(session, admin.subject, body)
+    _changed(gateway)
+    return key
+
+
+@router.post("/keys/{prefix}/revoke", response_model=KeyOut)
+def revoke_key(prefix: str, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep):
+    key = tenancy.revoke_key(session, admin.subject, prefix)
+    _changed(gateway)
+    return key
+
+
+@router.post("/keys/{prefix}/rotate", response_model=KeyCreated)
+def rotate_key(prefix: str, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep):
+    key = tenancy.rotate_key(session, admin.subject, prefix)
+    _changed(gateway)
+    return key
+
+
+@router.get("/usage", response_model=UsageReport)
+def usage(_: AdminPrincipal, session: SessionDep, tenant: str | None = None, since: datetime | None = None,
+          until: datetime | None = None, limit: Annotated[int, Query(ge=1, le=10_000)] = 100):
+    return tenancy.usage_report(session, tenant, since, until, limit)
+
+
+@router.get("/audit")
+def audit(_: AdminPrincipal, session: SessionDep,
+          limit: Annotated[int, Query(ge=1, le=10_000)] = 100) -> list[dict[str, Any]]:
+    rows = session.exec(select(AuditLog).order_by(col(AuditLog.id).desc()).limit(limit))
+    return [row.model_dump(mode="json") for row in rows]

@@ -1,0 +1,204 @@
+"""TGI-compatible API, so TGI's clients move to servegate unchanged: `POST /` (where TGI's
+clients post), `/generate`, `/generate_stream`, `/info`, `/tokenize`, as in TGI's OpenAPI spec.
+
+Streams use TGI's framing: `data:{json}` events, no `[DONE]`, the last token's event carrying
+`generated_text` and `details`, and a failure after the first byte sent as an error event on
+the 200 stream. The routes serve the caller's only model; `/tgi/{model}/...` picks one.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from backends.base import BackendError, Delta, Finish, GenerateRequest, servegate_version
+
+from ..auth import Principal
+from ..calls import Call
+from ..deps import GatewayDep, InferencePrincipal
+from ..errors import GatewayError
+from ..generation import ClientDisconnected, collect, resume
+from ..service import Gateway
+
+router = APIRouter(tags=["tgi"])
+MAX_STOP_SEQUENCES = 4
+
+
+class Parameters(BaseModel):
+    # Fields not declared here (grammar, watermark, top_n_tokens...) reach the backend as extras,
+    # which refuses by name any it cannot honour.
+    model_config = ConfigDict(extra="allow")
+
+    max_new_tokens: Annotated[int, Field(ge=1)] | None = None
+    do_sample: bool = False
+    temperature: Annotated[float, Field(gt=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(gt=0)] | None = None
+    seed: Annotated[int, Field(ge=0)] | None = None
+    stop: Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] = []
+    details: bool = False
+    return_full_text: bool | None = None
+    decoder_input_details: bool = False
+
+
+class TGIRequest(BaseModel):
+    inputs: Annotated[str, Field(min_length=1)]
+    parameters: Parameters = Parameters()
+    stream: bool = False  # only read by `POST /`
+
+
+class Token(BaseModel):
+    id: int
+    text: str
+    logprob: float | None = None
+    special: bool = False
+
+
+def _sampling(p: Parameters) -> dict[str, Any]:
+    """TGI samples when asked to or when any sampling knob is set; otherwise it is greedy."""
+    sample = p.do_sample or any(v is not None for v in (p.top_p, p.top_k)) or p.temperature not in (None, 1.0)
+    if not sample:
+        return {"temperature": 0.0}
+    return {"temperature": p.temperature or 1.0, "top_p": p.top_p or 1.0, "top_k": p.top_k or 0}
+
+
+def _request(body: TGIRequest, model: str) -> GenerateRequest:
+    p = body.parameters
+    extra = {k: v for k, v in (p.model_extra or {}).items()}
+    if p.decoder_input_details:
+        extra["decoder_input_details"] = True
+    return GenerateRequest(request_id=f"tgi-{uuid.uuid4().hex}", model=model, prompt=body.inputs,
+                           max_tokens=p.max_new_tokens, seed=p.seed, stop=tuple(p.stop), extra=extra, **_sampling(p))
+
+
+def _finish_reason(reason: str | None, greq: GenerateRequest) -> str:
+    if reason == "length":
+        return "length"
+    return "stop_sequence" if greq.stop else "eos_token"
+
+
+def _tokens(delta: Delta) -> list[Token]:
+    """One TGI token per token id; a chunk's text rides on its last token (texts concatenate)."""
+    ids = delta.token_ids or ()
+    return [Token(id=t, text=delta.text if i == len(ids) - 1 else "") for i, t in enumerate(ids)]
+
+
+async def _start(request: Request, gateway: Gateway, principal: Principal, body: TGIRequest, model: str | None,
+                 stream: bool):
+    model, backend = gateway.resolve(principal, model)
+    greq = _request(body, model)
+    call = Call(gateway, principal, model, backend, greq, api="tgi", stream=stream)
+    first, events = await call.open(request)
+    return greq, first, events
+
+
+async def _generate(request: Request, gateway: Gateway, principal: Principal, body: TGIRequest, model: str | None):
+    greq, first, events = await _start(request, gateway, principal, body, model, stream=False)
+    tokens: list[Token] = []
+    try:
+        result = await collect(first, _recording(events, tokens), request)
+    except ClientDisconnected:
+        return JSONResponse({}, status_code=499)
+    text = result.text(0)
+    if body.parameters.return_full_text:
+        text = body.inputs + text
+    answer: dict[str, Any] = {"generated_text": text}
+    if body.parameters.details:
+        answer["details"] = {
+            "finish_reason": _finish_reason(result.finish.finish_reasons[0], greq),
+            "generated_tokens": result.finish.usage.completion_tokens, "seed": greq.seed,
+            "prefill": [], "tokens": [t.model_dump() for t in tokens],
+        }
+    return answer
+
+
+async def _recording(events: AsyncIterator, tokens: list[Token]) -> AsyncIterator:
+    async for event in events:
+        if isinstance(event, Delta):
+            tokens.extend(_tokens(event))
+        yield event
+
+
+def _event(data: dict) -> bytes:
+    return b"data:" + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _stream_events(greq: GenerateRequest, events: AsyncIterator, prefix: str) -> AsyncIterator[bytes]:
+    """TGI's stream: the last token is held back until we know it is the last."""
+    texts: list[str] = [prefix]
+    pending: Token | None = None
+    index = 0
+    try:
+        async for event in events:
+            if isinstance(event, Delta):
+                for token in _tokens(event):
+                    if pending is not None:
+                        yield _event({"index": index, "token": pending.model_dump(), "generated_text": None,
+                                      "details": None})
+                        index += 1
+                    pending = token
+                    texts.append(token.text)
+            elif isinstance(event, Finish):
+                details = {"finish_reason": _finish_reason(event.finish_reasons[0], greq),
+                           "generated_tokens": event.usage.completion_tokens,
+                           "input_length": event.usage.prompt_tokens, "seed": greq.seed}
+                last = pending or Token(id=0, text="", special=True)
+                yield _event({"index": index, "token": last.model_dump(), "generated_text": "".join(texts),
+                              "details": details})
+    except BackendError as exc:  # after the first byte: an error event on the 200 stream
+        yield _event(GatewayError.of(exc).tgi_body())
+
+
+async def _generate_stream(request: Request, gateway: Gateway, principal: Principal, body: TGIRequest,
+                           model: str | None):
+    greq, first, events = await _start(request, gateway, principal, body, model, stream=True)
+    prefix = body.inputs if body.parameters.return_full_text else ""
+    return StreamingResponse(_stream_events(greq, resume(first, events), prefix), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+@router.post("/", summary="Generate tokens, streamed when `stream` is true (TGI's compat route)")
+async def compat_generate(request: Request, body: TGIRequest, principal: InferencePrincipal, gateway: GatewayDep,
+                          model: str | None = None):
+    if body.stream:
+        return await _generate_stream(request, gateway, principal, body, model)
+    return [await _generate(request, gateway, principal, body, model)]
+
+
+@router.post("/generate", summary="Generate tokens")
+async def generate(request: Request, body: TGIRequest, principal: InferencePrincipal, gateway: GatewayDep,
+                   model: str | None = None):
+    return await _generate(request, gateway, principal, body, model)
+
+
+@router.post("/generate_stream", summary="Generate a stream of token events (server-sent events)")
+async def generate_stream(request: Request, body: TGIRequest, principal: InferencePrincipal, gateway: GatewayDep,
+                          model: str | None = None):
+    return await _generate_stream(request, gateway, principal, body, model)
+
+
+@router.post("/tokenize", summary="Tokenize inputs")
+async def tokenize(body: TGIRequest, principal: InferencePrincipal, gateway: GatewayDep, model: str | None = None):
+    _, backend = gateway.resolve(principal, model)
+    return [{"id": t.id, "text": t.text, "start": t.start, "stop": t.stop} for t in await backend.tokenize(body.inputs)]
+
+
+@router.get("/info", summary="Model and router information")
+async def info(principal: InferencePrincipal, gateway: GatewayDep, model: str | None = None):
+    model, backend = gateway.resolve(principal, model)
+    caps = await backend.capabilities()
+    return {
+        "model_id": model, "model_sha": None, "model_pipeline_tag": "text-generation",
+        "max_concurrent_requests": gateway.settings.max_in_flight + gateway.settings.max_queued,
+        "max_best_of": 1, "max_stop_sequences": MAX_STOP_SEQUENCES,
+        "max_input_tokens": max(caps.max_context - 1, 0), "max_total_tokens": caps.max_context,
+        "validation_workers": 1, "max_client_batch_size": 1,
+        "router": "servegate", "version": servegate_version(), "sha": None, "docker_label": None,
+    }
+

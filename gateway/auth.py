@@ -1,0 +1,164 @@
+"""Who is calling: API keys and JWTs checked against an in-memory directory.
+
+The directory (tenants and keys) is re-read from the database every `refresh_s` in the
+background; the request path only reads memory. If the database is down the last good copy
+keeps serving, so a database outage is not an auth outage. A revoked or expired key stops
+working within one refresh interval (expiry at once: it is checked on every request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import jwt
+from sqlalchemy import Engine
+from sqlmodel import Session, select
+
+from .errors import GatewayError
+from .keys import key_prefix, verify
+from .models import ApiKey, Limits, Tenant
+from .quotas import QuotaLimits, Scope
+from .settings import Settings
+
+log = logging.getLogger("servegate.auth")
+
+
+@dataclass(frozen=True)
+class TenantView:
+    name: str
+    tier: str
+    models: frozenset[str]  # empty: every model
+    disabled: bool
+    limits: QuotaLimits
+    max_tokens_per_request: int | None
+
+
+@dataclass(frozen=True)
+class KeyView:
+    prefix: str
+    key_hash: str
+    tenant: str
+    scopes: frozenset[str]
+    expires_at: datetime | None
+    limits: QuotaLimits
+    max_tokens_per_request: int | None
+
+
+@dataclass(frozen=True)
+class Principal:
+    tenant: TenantView
+    subject: str  # the key prefix, or the JWT's subject
+    scopes: frozenset[str]
+    key: KeyView | None = None
+
+    @property
+    def key_prefix(self) -> str | None:
+        return self.key.prefix if self.key else None
+
+    def may_use(self, model: str) -> bool:
+        return not self.tenant.models or model in self.tenant.models
+
+    def quota_scopes(self) -> tuple[Scope, ...]:
+        scopes = [Scope(f"tenant:{self.tenant.name}", self.tenant.limits)]
+        if self.key is not None and self.key.limits != QuotaLimits():
+            scopes.append(Scope(f"key:{self.key.prefix}", self.key.limits))
+        return tuple(scopes)
+
+    @property
+    def max_tokens_per_request(self) -> int | None:
+        caps = [c for c in (self.tenant.max_tokens_per_request,
+                            self.key.max_tokens_per_request if self.key else None) if c is not None]
+        return min(caps) if caps else None
+
+
+def _limits(row: Limits) -> QuotaLimits:
+    return QuotaLimits(rpm=row.rpm, tpm=row.tpm, tokens_per_day=row.tokens_per_day,
+                       max_concurrency=row.max_concurrency)
+
+
+def _aware(moment: datetime | None) -> datetime | None:
+    return moment.replace(tzinfo=UTC) if moment is not None and moment.tzinfo is None else moment
+
+
+def unauthorized(message: str) -> GatewayError:
+    return GatewayError(401, message, "invalid_request_error", code="invalid_api_key",
+                        headers={"WWW-Authenticate": "Bearer"})
+
+
+class Directory:
+    """Tenants and keys, in memory."""
+
+    def __init__(self, engine: Engine, settings: Settings) -> None:
+        self.engine, self.settings = engine, settings
+        self.tenants: dict[str, TenantView] = {}
+        self.keys: dict[str, KeyView] = {}
+        self.loaded_at: datetime | None = None
+        self._jwks = jwt.PyJWKClient(settings.jwt_jwks_url, cache_keys=True) if settings.jwt_jwks_url else None
+
+    # -- refresh ------------------------------------------------------------------------
+    def load(self) -> None:
+        """Read every tenant and live key (blocking: call it off the event loop)."""
+        with Session(self.engine) as session:
+            tenants = session.exec(select(Tenant)).all()
+            keys = session.exec(select(ApiKey).where(ApiKey.revoked_at.is_(None))).all()
+        by_id = {t.id: t for t in tenants}
+        self.tenants = {
+            t.name: TenantView(t.name, t.tier, frozenset(t.models), t.disabled, _limits(t), t.max_tokens_per_request)
+            for t in tenants
+        }
+        self.keys = {
+            k.prefix: KeyView(k.prefix, k.key_hash, by_id[k.tenant_id].name, frozenset(k.scopes.split(",")),
+                              _aware(k.expires_at), _limits(k), k.max_tokens_per_request)
+            for k in keys if k.tenant_id in by_id
+        }
+        self.loaded_at = datetime.now(UTC)
+
+    async def refresh(self) -> None:
+        try:
+            await asyncio.to_thread(self.load)
+        except Exception as exc:  # keep serving the last good copy
+            log.warning("directory refresh failed, serving the copy from %s: %s", self.loaded_at, exc)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.refresh_s)
+            await self.refresh()
+
+    # -- authentication -----------------------------------------------------------------
+    def authenticate(self, credential: str | None) -> Principal:
+        if not credential:
+            raise unauthorized("Missing API key: send `Authorization: Bearer <key>`.")
+        if self.settings.jwt_enabled and credential.count(".") == 2 and not credential.startswith("sg_"):
+            return self._from_jwt(credential)
+        key = self.keys.get(key_prefix(credential))
+        if key is None or not verify(credential, key.key_hash):
+            raise unauthorized("Incorrect API key provided.")
+        if key.expires_at is not None and key.expires_at <= datetime.now(UTC):
+            raise unauthorized(f"The API key {key.prefix} has expired.")
+        return Principal(self._tenant(key.tenant), key.prefix, key.scopes, key)
+
+    def _tenant(self, name: str) -> TenantView:
+        tenant = self.tenants.get(name)
+        if tenant is None:
+            raise unauthorized(f"Unknown tenant {name!r}.")
+        if tenant.disabled:
+            raise GatewayError(403, f"The tenant {name!r} is disabled.", "permission_error", code="tenant_disabled")
+        return tenant
+
+    def _from_jwt(self, token: str) -> Principal:
+        s = self.settings
+        try:
+            key = self._jwks.get_signing_key_from_jwt(token).key if self._jwks else s.jwt_public_key
+            claims = jwt.decode(token, key, algorithms=s.jwt_algorithms, audience=s.jwt_audience,
+                                issuer=s.jwt_issuer, options={"require": ["exp"], "verify_aud": bool(s.jwt_audience)})
+        except jwt.PyJWTError as exc:
+            raise unauthorized(f"Invalid token: {exc}") from exc
+        tenant = claims.get(s.jwt_tenant_claim)
+        if not isinstance(tenant, str):
+            raise unauthorized(f"The token has no {s.jwt_tenant_claim!r} claim naming a tenant.")
+        scope = claims.get(s.jwt_scope_claim, "inference")
+        scopes = frozenset(scope.split() if isinstance(scope, str) else scope)
+        return Principal(self._tenant(tenant), str(claims.get("sub", "jwt")), scopes)

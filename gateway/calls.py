@@ -1,0 +1,167 @@
+"""One inference request's life at the gateway, the same for every API surface:
+
+limits -> quota reservation -> a backend slot (bounded queue) -> the backend stream, timed ->
+usage settled, recorded and measured. The usage record is written when the backend's final
+event arrives, before the client receives the end of the response; a request that fails or
+whose client leaves is recorded too (`error` / `cancelled`) with the tokens it produced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from backends.base import Backend, BackendError, BackendTimeout, Delta, Event, GenerateRequest, Usage
+
+from .auth import Principal
+from .errors import GatewayError
+from .generation import open_stream
+from .models import utcnow
+from .quotas import QuotaExceeded, Reservation
+from .service import Gateway
+
+log = logging.getLogger("servegate.requests")
+
+
+class Call:
+    def __init__(self, gateway: Gateway, principal: Principal, model: str, backend: Backend,
+                 greq: GenerateRequest, api: str, stream: bool) -> None:
+        self.gw, self.principal, self.model, self.backend = gateway, principal, model, backend
+        self.greq, self.api, self.stream = greq, api, stream
+        self.started, self.started_at = time.monotonic(), utcnow()
+        self.prompt_tokens = 0
+        self.reservation: Reservation | None = None
+        self.first_token_at: float | None = None
+        self.finished = False
+
+    async def open(self, request: Request) -> tuple[Event, AsyncIterator[Event]]:
+        """Reserve, then start the backend and wait for its first event (errors raise here)."""
+        await self._reserve()
+        try:
+            return await open_stream(self._events(), request)
+        except BaseException as exc:
+            if not self.finished:  # cancelled before the stream even started
+                error = exc.code if isinstance(exc, BackendError) else None
+                self._finish("error" if error else "cancelled", Usage(self.prompt_tokens, 0, 0), error)
+            raise
+
+    # -- before forwarding ------------------------------------------------------------------
+    async def _reserve(self) -> None:
+        cap = self.principal.max_tokens_per_request
+        max_tokens = self.greq.max_tokens
+        if cap is not None and max_tokens is not None and max_tokens > cap:
+            raise GatewayError(400, f"max_tokens {max_tokens} exceeds this key's limit of {cap} tokens per request.",
+                               "invalid_request_error", code="max_tokens_exceeded", param="max_tokens")
+        if cap is not None and max_tokens is None:
+            self.greq = dataclasses.replace(self.greq, max_tokens=cap)
+        self.prompt_tokens = await self.backend.count_prompt_tokens(self.greq)
+        if self.greq.max_tokens is not None:
+            completion = self.greq.max_tokens
+        else:  # no cap asked: reserve what the context leaves
+            completion = max((await self.backend.capabilities()).max_context - self.prompt_tokens, 1)
+        tokens = self.prompt_tokens + completion * self.greq.n
+        try:
+            self.reservation = await self.gw.quotas.reserve(self.principal.quota_scopes(), tokens)
+        except QuotaExceeded as exc:
+            self.gw.metrics.quota_rejections.labels(self.principal.tenant.name, exc.limit).inc()
+            self._refuse_if_never_admissible(exc, tokens)
+            kind = "tokens" if exc.limit in ("tpm", "tokens_per_day") else "requests"
+            raise GatewayError(429, exc.message, kind, code="rate_limit_exceeded",
+                               headers={"Retry-After": str(int(exc.retry_after))}) from None
+
+    def _refuse_if_never_admissible(self, exc: QuotaExceeded, tokens: int) -> None:
+        scope = next(s for s in self.principal.quota_scopes() if s.name == exc.scope)
+        limit = getattr(scope.limits, exc.limit)
+        if exc.limit in ("tpm", "tokens_per_day") and tokens > limit:
+            raise GatewayError(400, f"This request reserves {tokens} tokens (prompt + max_tokens), more than "
+                               f"{exc.scope}'s limit of {limit} {exc.limit}; lower max_tokens.",
+                               "invalid_request_error", code="rate_limit_exceeded", param="max_tokens") from None
+
+    # -- the stream ---------------------------------------------------------------------
+    async def _events(self) -> AsyncIterator[Event]:
+        admission, metrics = self.gw.admission[self.model], self.gw.metrics
+        produced, status, error = 0, "cancelled", None
+        admitted = False
+        last = 0.0
+        try:
+            await admission.acquire()
+            admitted = True
+            metrics.in_flight.labels(self.model).inc()
+            metrics.overhead.observe(time.monotonic() - self.started)
+            async for event in self._timed(self.backend.generate(self.greq)):
+                if isinstance(event, Delta):
+                    produced += len(event.token_ids)
+                    if event.text or event.token_ids:
+                        now = time.monotonic()
+                        if self.first_token_at is None:
+                            self.first_token_at = now
+                            metrics.ttft.labels(self.model).observe(now - self.started)
+                        else:
+                            metrics.itl.labels(self.model).observe(now - last)
+                        last = now
+                else:
+                    self._finish("ok", event.usage)  # recorded before the client sees the end
+                yield event
+        except BackendError as exc:
+            status, error = "error", exc.code
+            raise
+        except Exception:
+            status, error = "error", "internal"
+            raise
+        finally:
+            if admitted:
+                admission.release()
+                metrics.in_flight.labels(self.model).dec()
+            if not self.finished:
+                self._finish(status, Usage(self.prompt_tokens, produced, 0), error)
+
+    async def _timed(self, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+        """The backend's events, each within the idle timeout and all within the request timeout."""
+        settings = self.gw.settings
+        deadline = self.started + settings.request_timeout_s
+        try:
+            while True:
+                wait = min(settings.idle_timeout_s, deadline - time.monotonic())
+                try:
+                    async with asyncio.timeout(wait):
+                        event = await anext(events)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise BackendTimeout(f"the backend sent nothing for {wait:.0f} s") from None
+                yield event
+        finally:
+            await events.aclose()
+
+    # -- after ------------------------------------------------------------------------------
+    def _finish(self, status: str, usage: Usage, error: str | None = None) -> None:
+        self.finished = True
+        now = time.monotonic()
+        tenant = self.principal.tenant.name
+        backend = getattr(self.backend, "name", "")
+        ttft_ms = None if self.first_token_at is None else (self.first_token_at - self.started) * 1000
+        record = {
+            "request_id": self.greq.request_id, "tenant": tenant, "key_prefix": self.principal.key_prefix,
+            "model": self.model, "backend": backend, "route": self.model, "api": self.api, "stream": self.stream,
+            "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "cached_tokens": usage.cached_tokens, "ttft_ms": ttft_ms, "latency_ms": (now - self.started) * 1000,
+            "status": status, "error_type": error, "started_at": self.started_at, "finished_at": utcnow(),
+        }
+        self.gw.ledger.record(record)
+        if self.reservation is not None:
+            self.gw.spawn(self.gw.quotas.settle(self.reservation, usage.prompt_tokens + usage.completion_tokens))
+        metrics = self.gw.metrics
+        metrics.requests.labels(tenant, self.model, backend, status).inc()
+        metrics.e2e.labels(self.model).observe(now - self.started)
+        for kind in ("prompt", "completion", "cached"):
+            metrics.tokens.labels(tenant, self.model, kind).inc(getattr(usage, f"{kind}_tokens"))
+        extra = {k: record[k] for k in ("request_id", "tenant", "model", "status", "error_type", "prompt_tokens",
+                                         "completion_tokens", "ttft_ms", "latency_ms")}
+        if self.gw.settings.log_prompts:
+            extra["prompt"] = self.greq.prompt or self.greq.messages
+        log.info("request finished", extra=extra)

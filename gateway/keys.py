@@ -1,0 +1,34 @@
+"""API keys: `sg_<prefix>_<secret>`. The prefix is public (listings, usage, logs); the key is
+stored only as its SHA-256. A salted slow hash is for low-entropy passwords; these keys carry
+256 random bits, so a fast hash is safe and keeps verification off the CPU budget."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+
+PREFIX_CHARS = 8
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key() -> tuple[str, str]:
+    """(the key, its public prefix)."""
+    prefix = secrets.token_hex(PREFIX_CHARS // 2)
+    return f"sg_{prefix}_{secrets.token_urlsafe(32)}", prefix
+
+
+def key_prefix(key: str) -> str:
+    """The lookup prefix: the public part of a servegate key; for a key an operator chose
+    (`SERVEGATE_ADMIN_KEY`), the start of its hash."""
+    parts = key.split("_", 2)
+    if len(parts) == 3 and parts[0] == "sg" and len(parts[1]) == PREFIX_CHARS:
+        return parts[1]
+    return hash_key(key)[:PREFIX_CHARS]
+
+
+def verify(key: str, stored_hash: str) -> bool:
+    return hmac.compare_digest(hash_key(key), stored_hash)

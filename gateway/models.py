@@ -1,0 +1,107 @@
+"""The gateway's tables (SQLModel). Alembic migrations in `migrations/` create them."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, Column, UniqueConstraint
+from sqlmodel import Field, SQLModel
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Limits(SQLModel):
+    """Quota limits; None means unlimited. Tenants carry them, and keys may narrow them."""
+
+    rpm: int | None = Field(default=None, ge=1, description="Requests per minute.")
+    tpm: int | None = Field(default=None, ge=1, description="Tokens (prompt + completion) per minute.")
+    tokens_per_day: int | None = Field(default=None, ge=1)
+    max_concurrency: int | None = Field(default=None, ge=1, description="Requests in flight at once.")
+    max_tokens_per_request: int | None = Field(default=None, ge=1, description="Cap on max_tokens.")
+
+
+class Tenant(Limits, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(index=True, unique=True, max_length=64)
+    tier: str = Field(default="standard", max_length=32)
+    # Model aliases this tenant may call; empty means every served model.
+    models: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    disabled: bool = False
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class ApiKey(Limits, table=True):
+    __tablename__ = "api_key"
+
+    id: int | None = Field(default=None, primary_key=True)
+    prefix: str = Field(index=True, unique=True, max_length=16)  # public, shown in listings and usage
+    key_hash: str = Field(max_length=64)  # sha256 hex of the whole key; the key itself is never stored
+    tenant_id: int = Field(foreign_key="tenant.id", index=True)
+    name: str = Field(default="", max_length=128)
+    scopes: str = Field(default="inference", max_length=64)  # comma separated: inference, admin
+    created_at: datetime = Field(default_factory=utcnow)
+    expires_at: datetime | None = None
+    revoked_at: datetime | None = None
+
+
+class BackendRecord(SQLModel, table=True):
+    __tablename__ = "backend"
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(index=True, unique=True, max_length=64)
+    kind: str = Field(max_length=32)  # builtin, vllm, sglang, tgi, llamacpp, litellm...
+    url: str | None = None
+    model: str | None = None
+    options: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class Route(SQLModel, table=True):
+    """A model alias -> backend targets. Versions are immutable; one is active (status)."""
+
+    __table_args__ = (UniqueConstraint("alias", "version"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    alias: str = Field(index=True, max_length=128)
+    version: int = 1
+    status: str = Field(default="active", max_length=16)  # active | canary | retired
+    targets: list[dict[str, Any]] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    spec: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class UsageRecord(SQLModel, table=True):
+    __tablename__ = "usage"
+
+    request_id: str = Field(primary_key=True, max_length=64)  # writes are idempotent on it
+    tenant: str = Field(index=True, max_length=64)
+    key_prefix: str | None = Field(default=None, max_length=16)
+    model: str = Field(max_length=128)
+    backend: str = Field(max_length=64)
+    route: str = Field(default="", max_length=128)
+    api: str = Field(default="openai", max_length=16)  # openai | tgi
+    stream: bool = False
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    ttft_ms: float | None = None
+    latency_ms: float = 0.0
+    status: str = Field(max_length=16)  # ok | error | cancelled
+    error_type: str | None = Field(default=None, max_length=64)
+    started_at: datetime = Field(index=True)
+    finished_at: datetime
+
+
+class AuditLog(SQLModel, table=True):
+    __tablename__ = "audit_log"
+
+    id: int | None = Field(default=None, primary_key=True)
+    at: datetime = Field(default_factory=utcnow, index=True)
+    actor: str = Field(max_length=128)  # key prefix, or "cli:<user>"
+    action: str = Field(max_length=64)  # tenant.create, key.revoke...
+    target: str = Field(max_length=128)
+    before: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    after: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))

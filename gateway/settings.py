@@ -1,0 +1,52 @@
+"""Gateway settings, from `SERVEGATE_*` environment variables (or a `.env` file)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(base) / "servegate"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SERVEGATE_", env_file=".env", extra="ignore")
+
+    # SQLite (WAL) serves one replica; PostgreSQL (postgresql+psycopg://...) serves several.
+    database_url: str = f"sqlite:///{data_dir() / 'servegate.db'}"
+    # Quotas shared by several replicas; without it they are held in process.
+    redis_url: str | None = None
+    # The first admin key, used only when the database holds no key yet.
+    admin_key: str | None = None
+    # Keys, tenants and routes are served from memory and re-read this often.
+    refresh_s: float = 5.0
+    # Usage records are appended here before the response ends, then batched into the database.
+    spool_dir: Path = data_dir() / "spool"
+    # Log prompts and outputs (off: logs carry request ids, tenants and figures only).
+    log_prompts: bool = False
+
+    # JWT bearer tokens, as an alternative to API keys: a static public key (PEM) or a JWKS URL.
+    jwt_public_key: str | None = None
+    jwt_jwks_url: str | None = None
+    jwt_algorithms: list[str] = ["RS256", "ES256", "EdDSA"]
+    jwt_audience: str | None = None
+    jwt_issuer: str | None = None
+    jwt_tenant_claim: str = "tenant"
+    jwt_scope_claim: str = "scope"
+
+    # Backpressure, per backend: requests in flight, then a bounded wait queue.
+    max_in_flight: int = 64
+    max_queued: int = 256
+    queue_timeout_s: float = 30.0
+    # A request's whole life, and the longest silence between two events of a stream.
+    request_timeout_s: float = 600.0
+    idle_timeout_s: float = 60.0
+
+    @property
+    def jwt_enabled(self) -> bool:
+        return bool(self.jwt_public_key or self.jwt_jwks_url)
+

@@ -1,0 +1,1 @@
+"""Alembic migrations of the gateway's database (`servegate db upgrade`)."""
