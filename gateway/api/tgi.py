@@ -100,7 +100,7 @@ async def _start(request: Request, gateway: Gateway, principal: Principal, body:
 
 async def _generate(request: Request, gateway: Gateway, principal: Principal, body: TGIRequest, model: str | None):
     greq, first, events = await _start(request, gateway, principal, body, model, stream=False)
-    tokens: list[Token] = []
+    tokens: list[Token] = _tokens(first) if isinstance(first, Delta) else []
     try:
         result = await collect(first, _recording(events, tokens), request)
     except ClientDisconnected:
