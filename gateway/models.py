@@ -13,14 +13,17 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+MAX_LIMIT = 2**53  # fits the databases' 64-bit integers and JSON numbers
+
+
 class Limits(SQLModel):
     """Quota limits; None means unlimited. Tenants carry them, and keys may narrow them."""
 
-    rpm: int | None = Field(default=None, ge=1, description="Requests per minute.")
-    tpm: int | None = Field(default=None, ge=1, description="Tokens (prompt + completion) per minute.")
-    tokens_per_day: int | None = Field(default=None, ge=1)
-    max_concurrency: int | None = Field(default=None, ge=1, description="Requests in flight at once.")
-    max_tokens_per_request: int | None = Field(default=None, ge=1, description="Cap on max_tokens.")
+    rpm: int | None = Field(default=None, ge=1, le=MAX_LIMIT, description="Requests per minute.")
+    tpm: int | None = Field(default=None, ge=1, le=MAX_LIMIT, description="Tokens (prompt + completion) per minute.")
+    tokens_per_day: int | None = Field(default=None, ge=1, le=MAX_LIMIT)
+    max_concurrency: int | None = Field(default=None, ge=1, le=MAX_LIMIT, description="Requests in flight at once.")
+    max_tokens_per_request: int | None = Field(default=None, ge=1, le=MAX_LIMIT, description="Cap on max_tokens.")
 
 
 class Tenant(Limits, table=True):

@@ -118,8 +118,8 @@ class BuiltinBackend(Backend):
             raise InvalidRequest("top_k must be >= 0 (0 disables it)", param="top_k")
         if not 1 <= request.n <= MAX_N:
             raise InvalidRequest(f"n must be between 1 and {MAX_N}", param="n")
-        if request.n > 1 and request.temperature == 0:
-            raise InvalidRequest("n > 1 needs sampling (temperature > 0): greedy choices would be identical",
+        if request.n > 1 and request.temperature < 1e-5:
+            raise InvalidRequest("n > 1 needs sampling (temperature >= 1e-5): greedy choices would be identical",
                                  param="n")
         try:
             max_tokens = engine.check_request(num_prompt_tokens, request.max_tokens)

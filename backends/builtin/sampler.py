@@ -18,7 +18,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     if not rows:
         return tokens
     params = [seqs[i].params for i in rows]
-    scaled = logits[rows] / torch.tensor([p.temperature for p in params])[:, None]
+    chosen = logits[rows]
+    # Shifted so the largest logit is 0: no temperature can overflow it into inf/nan.
+    scaled = (chosen - chosen.max(dim=-1, keepdim=True).values) / torch.tensor([p.temperature for p in params])[:, None]
     top_k = torch.tensor([p.top_k if p.top_k > 0 else scaled.shape[-1] for p in params])
     top_p = torch.tensor([p.top_p for p in params])
     probs = _filtered_probs(scaled, top_k, top_p)

@@ -13,7 +13,7 @@ import torch
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # below 1e-5 means greedy, as in vLLM
     top_p: float = 1.0
     top_k: int = 0  # 0 means no cut
     seed: int | None = None
@@ -23,7 +23,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < 1e-5
 
 
 class Status(enum.Enum):
