@@ -96,7 +96,6 @@ def serve(
     from .telemetry import configure_logging
     from .tenancy import bootstrap
 
-    configure_logging(log_level)
     settings = Settings()
     new = is_new_sqlite(settings.database_url)
     db = make_engine(settings.database_url)
@@ -106,6 +105,7 @@ def serve(
         check_migrated(db)
     except NotMigrated as exc:
         _fail(str(exc))
+    configure_logging(log_level)
     with Session(db) as session:
         key = bootstrap(session, settings.admin_key)
     if key and not settings.admin_key:

@@ -28,7 +28,7 @@ class Gateway:
         self.router = ModelRouter(backends)
         self.directory = Directory(db, settings)
         self.quotas: QuotaStore = RedisQuotaStore(settings.redis_url) if settings.redis_url else MemoryQuotaStore()
-        self.ledger = UsageLedger(db, settings.spool_dir)
+        self.ledger = UsageLedger(db, settings.spool_dir, settings.usage_flush_s)
         self.metrics = GatewayMetrics()
         self.admission = {
             model: Admission(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s)

@@ -26,6 +26,7 @@ class Settings(BaseSettings):
     refresh_s: float = 5.0
     # Usage records are appended here before the response ends, then batched into the database.
     spool_dir: Path = data_dir() / "spool"
+    usage_flush_s: float = 0.5
     # Log prompts and outputs (off: logs carry request ids, tenants and figures only).
     log_prompts: bool = False
 

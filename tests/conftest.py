@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import threading
 import time
@@ -87,6 +88,26 @@ def hf_model():
     path = default_model_path()
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
+
+REDIS_URL = os.environ.get("SERVEGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+POSTGRES_URL = os.environ.get("SERVEGATE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+def _reachable(url: str) -> bool:
+    """Whether a TCP server answers at the URL's host and port."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    try:
+        socket.create_connection((parsed.host, parsed.port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+needs_redis = pytest.mark.skipif(not _reachable(REDIS_URL), reason=f"no Redis server at {REDIS_URL} (CI starts one)")
+needs_postgres = pytest.mark.skipif(not _reachable(POSTGRES_URL),
+                                    reason=f"no PostgreSQL server at {POSTGRES_URL} (CI starts one)")
 
 ADMIN_KEY = "sg-test-admin-key"  # the bootstrap admin key of every test gateway
 AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
