@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -78,8 +79,11 @@ def serve(
     no_prefix_caching: Annotated[bool, typer.Option(
         "--no-prefix-caching", help="Disable automatic prefix caching.")] = False,
     log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
+    config: Annotated[Path | None, typer.Option(
+        help="servegate.yaml declaring the backends (replaces the built-in engine options).")] = None,
 ) -> None:
-    """Serve the OpenAI- and TGI-compatible APIs in front of the built-in engine.
+    """Serve the OpenAI- and TGI-compatible APIs in front of the built-in engine, or of the
+    backends a servegate.yaml declares.
 
     Settings come from SERVEGATE_* variables (database, Redis, JWT, limits; see docs). A new
     SQLite database is created at once; any other must be migrated with `servegate db upgrade`.
@@ -91,6 +95,7 @@ def serve(
     from backends.builtin import BuiltinBackend, EngineConfig
 
     from .app import create_app
+    from .config import load_backends
     from .db import NotMigrated, check_migrated, is_new_sqlite, make_engine, upgrade
     from .settings import Settings
     from .telemetry import configure_logging
@@ -105,20 +110,25 @@ def serve(
         check_migrated(db)
     except NotMigrated as exc:
         _fail(str(exc))
+    if config is not None:
+        try:
+            backends = load_backends(config)
+        except (OSError, ValueError) as exc:
+            _fail(str(exc))
+    else:
+        backend = BuiltinBackend(EngineConfig(
+            model=model, served_name=served_name, device=device, dtype=dtype, kv_cache_tokens=kv_cache_tokens,
+            kv_cache_dtype=kv_cache_dtype, weight_quant=weight_quant,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len or None,
+            enable_prefix_caching=not no_prefix_caching,
+        ))
+        backends = {backend.model_id: backend}
     configure_logging(log_level)
     with Session(db) as session:
         key = bootstrap(session, settings.admin_key)
     if key and not settings.admin_key:
         typer.echo(f"Created tenant `default` and its admin key (shown once, store it now):\n{key}", err=True)
-    config = EngineConfig(
-        model=model, served_name=served_name, device=device, dtype=dtype, kv_cache_tokens=kv_cache_tokens,
-        kv_cache_dtype=kv_cache_dtype, weight_quant=weight_quant,
-        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len or None,
-        enable_prefix_caching=not no_prefix_caching,
-    )
-    backend = BuiltinBackend(config)
-    uvicorn.run(create_app({backend.model_id: backend}, settings, db), host=host, port=port,
-                log_level=log_level, log_config=None)
+    uvicorn.run(create_app(backends, settings, db), host=host, port=port, log_level=log_level, log_config=None)
 
 
 @db_app.command("upgrade")

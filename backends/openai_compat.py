@@ -1,0 +1,213 @@
+"""Any OpenAI-compatible server as a backend: one streaming HTTP client (httpx, HTTP/1.1
+keep-alive pool) with connect / first-byte / between-chunk timeouts.
+
+The SSE reader tolerates what real servers send: `data:` with or without a space, comments
+and keep-alives, streams that end without `[DONE]`, errors sent as events mid-stream, usage in
+a final chunk without choices. Runtime adapters (vLLM, SGLang, ...) are profiles of this one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+
+from .base import (
+    Backend,
+    BackendError,
+    BackendTimeout,
+    Capabilities,
+    ContextTooLong,
+    Delta,
+    Event,
+    Finish,
+    GenerateRequest,
+    Health,
+    InvalidRequest,
+    Load,
+    ModelNotFound,
+    Overloaded,
+    Unavailable,
+    UpstreamError,
+    Usage,
+)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect: float = 5.0
+    first_byte: float = 600.0  # a long prompt's prefill may take this long
+    between_chunks: float = 60.0
+
+
+@dataclass
+class OpenAICompatConfig:
+    base_url: str  # without /v1
+    model: str  # the model name the upstream serves
+    api_key: str | None = None
+    runtime: str = "openai-compatible"
+    health_path: str = "/health"
+    max_context: int = 0  # 0: ask /v1/models (vLLM's `max_model_len`)
+    max_connections: int = 256
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+
+class OpenAICompatBackend(Backend):
+    def __init__(self, config: OpenAICompatConfig, name: str = "openai") -> None:
+        self.name, self.config = name, config
+        self._client: httpx.AsyncClient | None = None
+        self._max_context = config.max_context
+
+    async def start(self) -> None:
+        c = self.config
+        headers = {"Authorization": f"Bearer {c.api_key}"} if c.api_key else {}
+        limits = httpx.Limits(max_connections=c.max_connections, max_keepalive_connections=c.max_connections)
+        timeout = httpx.Timeout(connect=c.timeouts.connect, read=c.timeouts.first_byte, write=30.0, pool=30.0)
+        self._client = httpx.AsyncClient(base_url=c.base_url, headers=headers, limits=limits, timeout=timeout)
+        if not self._max_context:
+            self._max_context = await self._model_max_len()
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise Unavailable(f"backend {self.name!r} is not started")
+        return self._client
+
+    # -- generation -------------------------------------------------------------------------
+    def _body(self, request: GenerateRequest) -> tuple[str, dict]:
+        body = {
+            **request.extra, "model": self.config.model, "stream": True,
+            "stream_options": {"include_usage": True}, "temperature": request.temperature, "top_p": request.top_p,
+            "n": request.n,
+        }
+        for key, value in (("max_tokens", request.max_tokens), ("seed", request.seed),
+                           ("stop", list(request.stop) or None), ("top_k", request.top_k or None),
+                           ("stop_token_ids", list(request.stop_token_ids) or None),
+                           ("ignore_eos", request.ignore_eos or None)):
+            if value is not None:
+                body[key] = value
+        if request.messages is not None:
+            return "/v1/chat/completions", body | {"messages": request.messages}
+        prompt = request.prompt if request.prompt is not None else list(request.prompt_token_ids)
+        return "/v1/completions", body | {"prompt": prompt}
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        path, body = self._body(request)
+        reasons: list[str | None] = [None] * request.n
+        usage = Usage(0, 0)
+        try:
+            async with self.client.stream("POST", path, json=body) as response:
+                if response.status_code >= 400:
+                    raise error_from_status(response.status_code, await response.aread())
+                async for data in sse_data(response, self.config.timeouts.between_chunks):
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise error_from_body(chunk, 502)
+                    if chunk.get("usage"):
+                        usage = usage_of(chunk["usage"])
+                    for choice in chunk.get("choices") or ():
+                        delta = _choice_text(choice)
+                        index, reason = choice.get("index", 0), choice.get("finish_reason")
+                        if reason and index < len(reasons):
+                            reasons[index] = reason
+                        if delta or reason:
+                            yield Delta(index, delta, (), reason)
+        except httpx.ConnectError as exc:
+            raise Unavailable(f"{self.name}: cannot connect to {self.config.base_url}: {exc}") from exc
+        except httpx.TimeoutException as exc:
+            raise BackendTimeout(f"{self.name}: timed out ({type(exc).__name__})") from exc
+        except httpx.HTTPError as exc:
+            raise UpstreamError(f"{self.name}: {type(exc).__name__}: {exc}") from exc
+        if not any(reasons):
+            raise UpstreamError(f"{self.name}: the stream ended before any choice finished")
+        yield Finish(tuple(r or "stop" for r in reasons), usage)
+
+    # -- introspection ----------------------------------------------------------------------
+    async def _model_max_len(self) -> int:
+        try:
+            models = (await self.client.get("/v1/models")).json().get("data", [])
+        except (httpx.HTTPError, ValueError):
+            return 0
+        mine = next((m for m in models if m.get("id") == self.config.model), {})
+        return int(mine.get("max_model_len") or 0)
+
+    async def capabilities(self) -> Capabilities:
+        return Capabilities(runtime=self.config.runtime, version="", model=self.config.model,
+                            max_context=self._max_context, prefix_caching=False)
+
+    async def health(self) -> Health:
+        if self._client is None:
+            return Health.LOADING
+        try:
+            response = await self.client.get(self.config.health_path, timeout=5.0)
+        except httpx.HTTPError:
+            return Health.DOWN
+        return Health.READY if response.status_code == 200 else Health.DOWN
+
+    async def load(self) -> Load:
+        return Load()
+
+
+async def sse_data(response: httpx.Response, idle_timeout: float) -> AsyncIterator[str]:
+    """The `data` payloads of an SSE stream (either framing; comments skipped)."""
+    import asyncio
+
+    lines = response.aiter_lines()
+    while True:
+        try:
+            async with asyncio.timeout(idle_timeout):
+                line = await anext(lines)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise BackendTimeout(f"the upstream sent nothing for {idle_timeout:g} s") from None
+        if line.startswith("data:"):
+            yield line[5:].lstrip(" ")
+
+
+def _choice_text(choice: dict) -> str:
+    if "delta" in choice:
+        return choice["delta"].get("content") or ""
+    return choice.get("text") or ""
+
+
+def usage_of(usage: dict) -> Usage:
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return Usage(usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0, cached)
+
+
+def error_from_body(body: dict, status: int) -> BackendError:
+    error = body.get("error")
+    detail = error if isinstance(error, dict) else {"message": str(error or body)}
+    message = str(detail.get("message") or detail)
+    code = detail.get("code") or detail.get("http_status_code")
+    return error_from_status(int(code) if str(code).isdigit() else status, message)
+
+
+def error_from_status(status: int, body: bytes | str) -> BackendError:
+    text = body.decode(errors="replace") if isinstance(body, bytes) else body
+    try:
+        parsed = json.loads(text)
+        error = parsed.get("error", parsed) if isinstance(parsed, dict) else parsed
+        message = str(error.get("message", error)) if isinstance(error, dict) else str(error)
+    except ValueError:
+        message = text[:500]
+    if status in (400, 422):
+        lowered = message.lower()
+        too_long = "context length" in lowered or "maximum context" in lowered or "too long" in lowered
+        return (ContextTooLong if too_long else InvalidRequest)(message)
+    if status == 404:
+        return ModelNotFound(message)
+    if status in (429, 503):
+        return Overloaded(message)
+    if status == 504:
+        return BackendTimeout(message)
+    return UpstreamError(f"upstream answered {status}: {message}")
