@@ -1,5 +1,7 @@
-"""Any OpenAI-compatible server as a backend: one streaming HTTP client (httpx, HTTP/1.1
-keep-alive pool) with connect / first-byte / between-chunk timeouts.
+"""Any OpenAI-compatible server as a backend: one streaming HTTP client (aiohttp, HTTP/1.1
+keep-alive pool) with connect / first-byte / between-chunk timeouts. aiohttp rather than httpx:
+on this path it costs half as much per streamed request (0.96 vs 2.06 ms for an 8-chunk
+stream from a local stub, docs/performance.md), which every request through the gateway pays.
 
 The SSE reader tolerates what real servers send: `data:` with or without a space, comments
 and keep-alives, streams that end without `[DONE]`, errors sent as events mid-stream, usage in
@@ -8,11 +10,12 @@ a final chunk without choices. Runtime adapters (vLLM, SGLang, ...) are profiles
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from .base import (
     Backend,
@@ -57,24 +60,25 @@ class OpenAICompatConfig:
 class OpenAICompatBackend(Backend):
     def __init__(self, config: OpenAICompatConfig, name: str = "openai") -> None:
         self.name, self.config = name, config
-        self._client: httpx.AsyncClient | None = None
+        self._client: aiohttp.ClientSession | None = None
         self._max_context = config.max_context
 
     async def start(self) -> None:
         c = self.config
         headers = {"Authorization": f"Bearer {c.api_key}"} if c.api_key else {}
-        limits = httpx.Limits(max_connections=c.max_connections, max_keepalive_connections=c.max_connections)
-        timeout = httpx.Timeout(connect=c.timeouts.connect, read=c.timeouts.first_byte, write=30.0, pool=30.0)
-        self._client = httpx.AsyncClient(base_url=c.base_url, headers=headers, limits=limits, timeout=timeout)
+        self._client = aiohttp.ClientSession(
+            base_url=c.base_url, headers=headers, connector=aiohttp.TCPConnector(limit=c.max_connections),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=c.timeouts.connect, sock_read=c.timeouts.first_byte),
+        )
         if not self._max_context:
             self._max_context = await self._model_max_len()
 
     async def close(self) -> None:
         if self._client is not None:
-            await self._client.aclose()
+            await self._client.close()
 
     @property
-    def client(self) -> httpx.AsyncClient:
+    def client(self) -> aiohttp.ClientSession:
         if self._client is None:
             raise Unavailable(f"backend {self.name!r} is not started")
         return self._client
@@ -102,11 +106,11 @@ class OpenAICompatBackend(Backend):
         reasons: list[str | None] = [None] * request.n
         usage = Usage(0, 0)
         try:
-            async with self.client.stream("POST", path, json=body) as response:
-                if response.status_code >= 400:
-                    raise error_from_status(response.status_code, await response.aread())
-                async for data in sse_data(response, self.config.timeouts.between_chunks):
-                    if data == "[DONE]":
+            async with self.client.post(path, json=body) as response:
+                if response.status >= 400:
+                    raise error_from_status(response.status, await response.read())
+                async for data in sse_data(response.content, self.config.timeouts.between_chunks):
+                    if data == b"[DONE]":
                         break
                     chunk = json.loads(data)
                     if "error" in chunk:
@@ -120,11 +124,11 @@ class OpenAICompatBackend(Backend):
                             reasons[index] = reason
                         if delta or reason:
                             yield Delta(index, delta, (), reason)
-        except httpx.ConnectError as exc:
+        except aiohttp.ClientConnectorError as exc:
             raise Unavailable(f"{self.name}: cannot connect to {self.config.base_url}: {exc}") from exc
-        except httpx.TimeoutException as exc:
-            raise BackendTimeout(f"{self.name}: timed out ({type(exc).__name__})") from exc
-        except httpx.HTTPError as exc:
+        except TimeoutError as exc:
+            raise BackendTimeout(f"{self.name}: no answer within {self.config.timeouts.first_byte:g} s") from exc
+        except aiohttp.ClientError as exc:
             raise UpstreamError(f"{self.name}: {type(exc).__name__}: {exc}") from exc
         if not any(reasons):
             raise UpstreamError(f"{self.name}: the stream ended before any choice finished")
@@ -133,8 +137,9 @@ class OpenAICompatBackend(Backend):
     # -- introspection ----------------------------------------------------------------------
     async def _model_max_len(self) -> int:
         try:
-            models = (await self.client.get("/v1/models")).json().get("data", [])
-        except (httpx.HTTPError, ValueError):
+            async with self.client.get("/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as response:
+                models = (await response.json(content_type=None)).get("data", [])
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
             return 0
         mine = next((m for m in models if m.get("id") == self.config.model), {})
         return int(mine.get("max_model_len") or 0)
@@ -147,30 +152,33 @@ class OpenAICompatBackend(Backend):
         if self._client is None:
             return Health.LOADING
         try:
-            response = await self.client.get(self.config.health_path, timeout=5.0)
-        except httpx.HTTPError:
+            async with self.client.get(self.config.health_path, timeout=aiohttp.ClientTimeout(total=5)) as response:
+                return Health.READY if response.status == 200 else Health.DOWN
+        except (aiohttp.ClientError, TimeoutError):
             return Health.DOWN
-        return Health.READY if response.status_code == 200 else Health.DOWN
 
     async def load(self) -> Load:
         return Load()
 
 
-async def sse_data(response: httpx.Response, idle_timeout: float) -> AsyncIterator[str]:
-    """The `data` payloads of an SSE stream (either framing; comments skipped)."""
-    import asyncio
-
-    lines = response.aiter_lines()
+async def sse_data(content: aiohttp.StreamReader, idle_timeout: float) -> AsyncIterator[bytes]:
+    """The `data` payloads of an SSE stream (either framing; comments and blank lines skipped).
+    The first line may take as long as the prefill; later ones within `idle_timeout`."""
+    first = True
     while True:
-        try:
-            async with asyncio.timeout(idle_timeout):
-                line = await anext(lines)
-        except StopAsyncIteration:
+        if first:
+            line = await content.readline()
+            first = False
+        else:
+            try:
+                async with asyncio.timeout(idle_timeout):
+                    line = await content.readline()
+            except TimeoutError:
+                raise BackendTimeout(f"the upstream sent nothing for {idle_timeout:g} s") from None
+        if not line:
             return
-        except TimeoutError:
-            raise BackendTimeout(f"the upstream sent nothing for {idle_timeout:g} s") from None
-        if line.startswith("data:"):
-            yield line[5:].lstrip(" ")
+        if line.startswith(b"data:"):
+            yield line[5:].strip()
 
 
 def _choice_text(choice: dict) -> str:

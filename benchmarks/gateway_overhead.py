@@ -34,54 +34,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from advisor.bench.baselines import free_port  # noqa: E402
-
-CHUNKS = 8
-MODEL = "stub"
-
-
-# -- the upstream: a bare ASGI app, so the stub costs as little as possible -----------------------
-def _chunk(i: int) -> bytes:
-    body = {"id": "stub", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
-            "choices": [{"index": 0, "delta": {"content": f" tok{i}"}, "finish_reason": None}]}
-    return b"data: " + json.dumps(body).encode() + b"\n\n"
-
-
-STREAM = [_chunk(i) for i in range(CHUNKS)] + [
-    b'data: {"id":"stub","object":"chat.completion.chunk","created":0,"model":"stub","choices":[{"index":0,'
-    b'"delta":{},"finish_reason":"length"}]}\n\n',
-    b'data: {"id":"stub","object":"chat.completion.chunk","created":0,"model":"stub","choices":[],'
-    b'"usage":{"prompt_tokens":12,"completion_tokens":8,"total_tokens":20}}\n\n',
-    b"data: [DONE]\n\n",
-]
-FULL = json.dumps({"id": "stub", "object": "chat.completion", "created": 0, "model": MODEL, "choices": [
-    {"index": 0, "message": {"role": "assistant", "content": "".join(f" tok{i}" for i in range(CHUNKS))},
-     "finish_reason": "length"}], "usage": {"prompt_tokens": 12, "completion_tokens": 8, "total_tokens": 20}}).encode()
-MODELS = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": 4096}]}).encode()
-
-
-async def stub_app(scope, receive, send):
-    if scope["type"] != "http":
-        return
-    body = b""
-    while True:
-        message = await receive()
-        body += message.get("body", b"")
-        if not message.get("more_body"):
-            break
-    if scope["method"] == "GET":
-        payload = MODELS if scope["path"] == "/v1/models" else b"{}"
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": payload})
-        return
-    if b'"stream":true' in body.replace(b" ", b""):
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})
-        for piece in STREAM:
-            await send({"type": "http.response.body", "body": piece, "more_body": True})
-        await send({"type": "http.response.body", "body": b""})
-        return
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": FULL})
+from advisor.bench.stub import CHUNKS, MODEL  # noqa: E402
 
 
 # -- the gateways ----------------------------------------------------------------------------------
@@ -261,7 +214,7 @@ def main() -> None:
         home = Path(tmp)
         stub_port = free_port()
         stub_url = f"http://127.0.0.1:{stub_port}"
-        stub_cmd = [sys.executable, "-m", "uvicorn", "benchmarks.gateway_overhead:stub_app", "--port", str(stub_port),
+        stub_cmd = [sys.executable, "-m", "uvicorn", "advisor.bench.stub:app", "--port", str(stub_port),
                     "--log-level", "warning", "--no-access-log"]
         root = str(Path(__file__).resolve().parents[1])
         with process(stub_cmd, stub_url, "/health", env={"PYTHONPATH": root}, cpu=1):

@@ -92,8 +92,6 @@ def serve(
     import uvicorn
     from sqlmodel import Session
 
-    from backends.builtin import BuiltinBackend, EngineConfig
-
     from .app import create_app
     from .config import load_backends
     from .db import NotMigrated, check_migrated, is_new_sqlite, make_engine, upgrade
@@ -116,6 +114,8 @@ def serve(
         except (OSError, ValueError) as exc:
             _fail(str(exc))
     else:
+        from backends.builtin import BuiltinBackend, EngineConfig
+
         backend = BuiltinBackend(EngineConfig(
             model=model, served_name=served_name, device=device, dtype=dtype, kv_cache_tokens=kv_cache_tokens,
             kv_cache_dtype=kv_cache_dtype, weight_quant=weight_quant,

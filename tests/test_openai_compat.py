@@ -1,0 +1,81 @@
+"""The gateway in front of an OpenAI-compatible upstream, through the generic adapter."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from advisor.bench import stub
+from backends.base import ContextTooLong, InvalidRequest, ModelNotFound, Overloaded, UpstreamError
+from backends.openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_from_status
+
+from .conftest import ADMIN_KEY, AUTH, free_port, gateway_app, serve_app
+
+
+async def quirky(scope, receive, send):
+    """An upstream with TGI-style framing (`data:` without a space), no `[DONE]`, and, on
+    `/v1/completions`, an error event after the first chunk."""
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    if scope["method"] == "GET":
+        await stub.app(scope, receive, send)
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    pieces = [p.replace(b"data: ", b"data:") for p in stub.STREAM[:-1]]
+    if scope["path"] == "/v1/completions":
+        pieces = pieces[:1] + [b'data:{"error":{"message":"the engine died","code":500}}\n\n']
+    for piece in pieces:
+        await send({"type": "http.response.body", "body": piece, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    with serve_app(stub.app) as plain, serve_app(quirky) as odd:
+        backends = {
+            "stub": OpenAICompatBackend(OpenAICompatConfig(base_url=plain, model=stub.MODEL), name="stub"),
+            "quirky": OpenAICompatBackend(OpenAICompatConfig(base_url=odd, model=stub.MODEL), name="quirky"),
+            "gone": OpenAICompatBackend(OpenAICompatConfig(base_url=f"http://127.0.0.1:{free_port()}",
+                                                           model="gone", max_context=4096), name="gone"),
+        }
+        with serve_app(gateway_app(backends, tmp_path_factory.mktemp("compat"))) as url:
+            yield url
+
+
+def test_streaming_and_not_through_the_adapter(gateway):
+    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key=ADMIN_KEY, max_retries=0)
+    want = "".join(f" tok{i}" for i in range(stub.CHUNKS))
+    full = client.chat.completions.create(model="stub", messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+    assert full.choices[0].message.content == want and full.usage.completion_tokens == 8
+    chunks = list(client.chat.completions.create(model="stub", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=8, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].usage.prompt_tokens == 12
+    quirky = client.chat.completions.create(model="quirky", messages=[{"role": "user", "content": "hi"}])
+    assert quirky.choices[0].message.content == want  # `data:` framing, no [DONE]
+
+
+def test_upstream_failures_map_to_clear_errors(gateway):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    gone = httpx.post(f"{gateway}/v1/chat/completions", headers=AUTH, json=body | {"model": "gone"})
+    assert gone.status_code == 503 and gone.json()["error"]["code"] == "unavailable"
+    assert "cannot connect" in gone.json()["error"]["message"]
+    with httpx.stream("POST", f"{gateway}/v1/completions", headers=AUTH,
+                      json={"model": "quirky", "prompt": "hi", "stream": True}) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert response.status_code == 200  # the first chunk was already sent...
+    assert "the engine died" in json.loads(events[-2])["error"]["message"] and events[-1] == "[DONE]"  # ...then an error
+
+
+def test_error_statuses_map_to_the_taxonomy():
+    assert isinstance(error_from_status(400, b'{"error":{"message":"bad top_p"}}'), InvalidRequest)
+    too_long = error_from_status(400, b'{"error":{"message":"maximum context length is 4096 tokens"}}')
+    assert isinstance(too_long, ContextTooLong)
+    assert isinstance(error_from_status(404, b'{"detail":"no"}'), ModelNotFound)
+    assert isinstance(error_from_status(503, b"busy"), Overloaded)
+    assert isinstance(error_from_status(500, b"oops"), UpstreamError)
