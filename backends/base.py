@@ -61,6 +61,9 @@ class Delta:
     text: str
     token_ids: tuple[int, ...] = ()
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    # What an OpenAI-compatible runtime sent beside the text, passed through to OpenAI clients:
+    # {"delta": {"tool_calls": [...], ...}, "logprobs": {...}}.
+    extra: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

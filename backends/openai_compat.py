@@ -118,12 +118,12 @@ class OpenAICompatBackend(Backend):
                     if chunk.get("usage"):
                         usage = usage_of(chunk["usage"])
                     for choice in chunk.get("choices") or ():
-                        delta = _choice_text(choice)
+                        text, extra = _choice_parts(choice)
                         index, reason = choice.get("index", 0), choice.get("finish_reason")
                         if reason and index < len(reasons):
                             reasons[index] = reason
-                        if delta or reason:
-                            yield Delta(index, delta, (), reason)
+                        if text or reason or extra:
+                            yield Delta(index, text, (), reason, extra)
         except aiohttp.ClientConnectorError as exc:
             raise Unavailable(f"{self.name}: cannot connect to {self.config.base_url}: {exc}") from exc
         except TimeoutError as exc:
@@ -181,10 +181,18 @@ async def sse_data(content: aiohttp.StreamReader, idle_timeout: float) -> AsyncI
             yield line[5:].strip()
 
 
-def _choice_text(choice: dict) -> str:
-    if "delta" in choice:
-        return choice["delta"].get("content") or ""
-    return choice.get("text") or ""
+def _choice_parts(choice: dict) -> tuple[str, dict | None]:
+    """A streamed choice's text, and what else it carries (tool calls, logprobs...)."""
+    extra = {}
+    if choice.get("logprobs"):
+        extra["logprobs"] = choice["logprobs"]
+    if "delta" not in choice:
+        return choice.get("text") or "", extra or None
+    delta = choice["delta"]
+    fields = {k: v for k, v in delta.items() if k not in ("content", "role") and v is not None}
+    if fields:
+        extra["delta"] = fields
+    return delta.get("content") or "", extra or None
 
 
 def usage_of(usage: dict) -> Usage:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -24,6 +25,7 @@ from .quotas import QuotaLimits, Scope
 from .settings import Settings
 
 log = logging.getLogger("servegate.auth")
+JWKS_TTL_S = 300.0  # identity providers rotate keys with overlap; five minutes is their usual cache
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,10 @@ class Directory:
         self.tenants: dict[str, TenantView] = {}
         self.keys: dict[str, KeyView] = {}
         self.loaded_at: datetime | None = None
-        self._jwks = jwt.PyJWKClient(settings.jwt_jwks_url, cache_keys=True) if settings.jwt_jwks_url else None
+        # JWKS signing keys by key id, fetched with the directory (never on the request path).
+        self._jwks = jwt.PyJWKClient(settings.jwt_jwks_url, cache_jwk_set=False) if settings.jwt_jwks_url else None
+        self.signing_keys: dict[str, object] = {}
+        self._jwks_fetched = 0.0
 
     # -- refresh ------------------------------------------------------------------------
     def load(self) -> None:
@@ -115,6 +120,12 @@ class Directory:
             for k in keys if k.tenant_id in by_id
         }
         self.loaded_at = datetime.now(UTC)
+        if self._jwks is not None and time.monotonic() - self._jwks_fetched > JWKS_TTL_S:
+            try:
+                self.signing_keys = {k.key_id: k.key for k in self._jwks.get_signing_keys()}
+                self._jwks_fetched = time.monotonic()
+            except jwt.PyJWKClientError as exc:  # keep the keys we have; try again next refresh
+                log.warning("JWKS fetch from %s failed: %s", self.settings.jwt_jwks_url, exc)
 
     async def refresh(self) -> None:
         try:
@@ -151,7 +162,7 @@ class Directory:
     def _from_jwt(self, token: str) -> Principal:
         s = self.settings
         try:
-            key = self._jwks.get_signing_key_from_jwt(token).key if self._jwks else s.jwt_public_key
+            key = self._signing_key(token) if self._jwks else s.jwt_public_key
             claims = jwt.decode(token, key, algorithms=s.jwt_algorithms, audience=s.jwt_audience,
                                 issuer=s.jwt_issuer, options={"require": ["exp"], "verify_aud": bool(s.jwt_audience)})
         except jwt.PyJWTError as exc:
@@ -162,3 +173,9 @@ class Directory:
         scope = claims.get(s.jwt_scope_claim, "inference")
         scopes = frozenset(scope.split() if isinstance(scope, str) else scope)
         return Principal(self._tenant(tenant), str(claims.get("sub", "jwt")), scopes)
+
+    def _signing_key(self, token: str):
+        kid = jwt.get_unverified_header(token).get("kid")
+        if kid not in self.signing_keys:
+            raise unauthorized(f"Invalid token: unknown signing key {kid!r}.")
+        return self.signing_keys[kid]

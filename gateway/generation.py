@@ -66,6 +66,7 @@ async def resume(first: Event, events: AsyncIterator[Event]) -> AsyncIterator[Ev
 @dataclass
 class Collected:
     texts: dict[int, list[str]] = field(default_factory=dict)
+    extras: dict[int, list[dict]] = field(default_factory=dict)  # Delta.extra, in order
     finish: Finish | None = None
 
     def text(self, index: int) -> str:
@@ -80,6 +81,8 @@ async def collect(first: Event, events: AsyncIterator[Event], request: Request) 
         async for event in resume(first, events):
             if isinstance(event, Delta):
                 result.texts.setdefault(event.index, []).append(event.text)
+                if event.extra:
+                    result.extras.setdefault(event.index, []).append(event.extra)
             else:
                 result.finish = event
         if result.finish is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -176,6 +177,27 @@ def test_jwt_bearer_tokens_name_their_tenant(tiny_model_dir, tmp_path):
             assert refused.status_code == 401 and why in refused.json()["error"]["message"], why
         admin_route = httpx.get(f"{url}/admin/tenants", headers=bearer(token(tenant="default")))
         assert admin_route.status_code == 403  # a token's scopes default to inference
+
+
+def test_jwt_signing_keys_come_from_a_jwks_url(tiny_model_dir, tmp_path):
+    private = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    jwk = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(private.public_key())) | {"kid": "k1", "use": "sig"}
+    document = json.dumps({"keys": [jwk]}).encode()
+
+    async def jwks(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": document})
+
+    with serve_app(jwks) as idp:
+        app = gateway_app({"tiny": tiny_backend(tiny_model_dir)}, tmp_path, jwt_jwks_url=f"{idp}/jwks.json")
+        with serve_app(app) as url:
+            wait_ready(url)
+            claims = {"tenant": "default", "exp": int(time.time()) + 60}
+            good = jwt.encode(claims, private, algorithm="RS256", headers={"kid": "k1"})
+            assert httpx.get(f"{url}/v1/models", headers=bearer(good)).status_code == 200
+            unknown = jwt.encode(claims, private, algorithm="RS256", headers={"kid": "rotated-away"})
+            refused = httpx.get(f"{url}/v1/models", headers=bearer(unknown))
+            assert refused.status_code == 401 and "unknown signing key" in refused.json()["error"]["message"]
 
 
 def test_rpm_admits_exactly_the_limit_out_of_50_concurrent(gw):

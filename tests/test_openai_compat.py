@@ -34,12 +34,41 @@ async def quirky(scope, receive, send):
     await send({"type": "http.response.body", "body": b""})
 
 
+TOOL_CHUNKS = [
+    {"index": 0, "delta": {"role": "assistant", "tool_calls": [
+        {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ""}}]},
+     "logprobs": {"content": [{"token": "a", "logprob": -0.5, "top_logprobs": []}]}},
+    {"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]},
+     "logprobs": {"content": [{"token": "b", "logprob": -0.25, "top_logprobs": []}]}},
+    {"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}},
+    {"index": 0, "delta": {}, "finish_reason": "tool_calls"},
+]
+
+
+async def tools(scope, receive, send):
+    """An upstream answering with a tool call and logprobs, in pieces, as vLLM streams them."""
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    if scope["method"] == "GET":
+        await stub.app(scope, receive, send)
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    for choice in TOOL_CHUNKS:
+        chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": stub.MODEL, "choices": [choice]}
+        await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
+                    "more_body": True})
+    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    with serve_app(stub.app) as plain, serve_app(quirky) as odd:
+    with serve_app(stub.app) as plain, serve_app(quirky) as odd, serve_app(tools) as tooling:
         backends = {
             "stub": OpenAICompatBackend(OpenAICompatConfig(base_url=plain, model=stub.MODEL), name="stub"),
             "quirky": OpenAICompatBackend(OpenAICompatConfig(base_url=odd, model=stub.MODEL), name="quirky"),
+            "tools": OpenAICompatBackend(OpenAICompatConfig(base_url=tooling, model=stub.MODEL), name="tools"),
             "gone": OpenAICompatBackend(OpenAICompatConfig(base_url=f"http://127.0.0.1:{free_port()}",
                                                            model="gone", max_context=4096), name="gone"),
         }
@@ -60,6 +89,21 @@ def test_streaming_and_not_through_the_adapter(gateway):
     assert quirky.choices[0].message.content == want  # `data:` framing, no [DONE]
 
 
+def test_tool_calls_and_logprobs_pass_through(gateway):
+    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key=ADMIN_KEY, max_retries=0)
+    ask = {"model": "tools", "messages": [{"role": "user", "content": "Weather in Paris?"}], "logprobs": True,
+           "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]}
+    whole = client.chat.completions.create(**ask)
+    (call,) = whole.choices[0].message.tool_calls
+    assert (call.id, call.function.name, call.function.arguments) == ("call_1", "get_weather", '{"city": "Paris"}')
+    assert whole.choices[0].finish_reason == "tool_calls" and whole.choices[0].message.content is None
+    assert [t.token for t in whole.choices[0].logprobs.content] == ["a", "b"]
+    streamed = [c for c in client.chat.completions.create(**ask, stream=True) if c.choices]
+    pieces = [c.choices[0].delta.tool_calls[0].function.arguments for c in streamed
+              if c.choices[0].delta.tool_calls]
+    assert "".join(pieces) == '{"city": "Paris"}' and streamed[-1].choices[0].finish_reason == "tool_calls"
+
+
 def test_upstream_failures_map_to_clear_errors(gateway):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     gone = httpx.post(f"{gateway}/v1/chat/completions", headers=AUTH, json=body | {"model": "gone"})
@@ -68,8 +112,8 @@ def test_upstream_failures_map_to_clear_errors(gateway):
     with httpx.stream("POST", f"{gateway}/v1/completions", headers=AUTH,
                       json={"model": "quirky", "prompt": "hi", "stream": True}) as response:
         events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
-    assert response.status_code == 200  # the first chunk was already sent...
-    assert "the engine died" in json.loads(events[-2])["error"]["message"] and events[-1] == "[DONE]"  # ...then an error
+    assert response.status_code == 200  # the first chunk was already sent, so the error comes as an event
+    assert "the engine died" in json.loads(events[-2])["error"]["message"] and events[-1] == "[DONE]"
 
 
 def test_error_statuses_map_to_the_taxonomy():

@@ -18,7 +18,7 @@ from ..auth import Principal
 from ..calls import Call
 from ..deps import GatewayDep, InferencePrincipal
 from ..errors import GatewayError
-from ..generation import ClientDisconnected, collect, resume
+from ..generation import ClientDisconnected, Collected, collect, resume
 from ..service import Gateway
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -79,6 +79,36 @@ def usage_json(usage: Usage) -> dict:
     }
 
 
+def merge_extras(extras: list[dict]) -> dict:
+    """A whole answer's pass-through fields from its streamed pieces: tool calls assembled by
+    their index (arguments concatenated), logprob lists and other text fields concatenated."""
+    merged: dict[str, Any] = {}
+    fields: dict[str, Any] = {}
+    calls: dict[int, dict] = {}
+    for extra in extras:
+        for key, value in (extra.get("logprobs") or {}).items():
+            if isinstance(value, list):
+                merged.setdefault("logprobs", {}).setdefault(key, []).extend(value)
+        for key, value in extra.get("delta", {}).items():
+            if key == "tool_calls":
+                for part in value:
+                    call = calls.setdefault(part.get("index", len(calls)), {"function": {"arguments": ""}})
+                    call.update({k: part[k] for k in ("id", "type") if part.get(k)})
+                    function = part.get("function") or {}
+                    if function.get("name"):
+                        call["function"]["name"] = function["name"]
+                    call["function"]["arguments"] += function.get("arguments") or ""
+            elif isinstance(value, str):
+                fields[key] = fields.get(key, "") + value
+            else:
+                fields[key] = value
+    if calls:
+        fields["tool_calls"] = [calls[i] for i in sorted(calls)]
+    if fields:
+        merged["delta"] = fields
+    return merged
+
+
 def sse(data: dict | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
@@ -95,21 +125,30 @@ class Responder:
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def _choice(self, index: int, text: str | None, finish_reason: str | None, chunk: bool, role: bool = False) -> dict:
+    def _choice(self, index: int, text: str | None, finish_reason: str | None, chunk: bool, role: bool = False,
+                extra: dict | None = None) -> dict:
+        extra = extra or {}
+        logprobs = extra.get("logprobs")
         if not self.chat:
-            return {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+            return {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": logprobs}
+        fields = extra.get("delta", {})
         if chunk:
             delta = {"role": "assistant", "content": text or ""} if role else ({"content": text} if text else {})
-            return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "finish_reason": finish_reason, "logprobs": None}
+            return {"index": index, "delta": delta | fields, "finish_reason": finish_reason, "logprobs": logprobs}
+        content = text or (None if fields.get("tool_calls") else text)  # OpenAI: null beside tool calls
+        return {"index": index, "message": {"role": "assistant", "content": content} | fields,
+                "finish_reason": finish_reason, "logprobs": logprobs}
 
-    def full(self, texts: list[str], finish: Finish) -> dict:
-        choices = [self._choice(i, t, r, chunk=False) for i, (t, r) in enumerate(zip(texts, finish.finish_reasons))]
+    def full(self, result: Collected, n: int) -> dict:
+        finish = result.finish
+        choices = [self._choice(i, result.text(i), finish.finish_reasons[i], chunk=False,
+                                extra=merge_extras(result.extras.get(i, []))) for i in range(n)]
         return self._envelope(choices, chunk=False) | {"usage": usage_json(finish.usage)}
 
-    def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False) -> bytes:
-        body = self._envelope([self._choice(index, text, finish_reason, chunk=True, role=role)], chunk=True)
+    def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
+              extra: dict | None = None) -> bytes:
+        body = self._envelope([self._choice(index, text, finish_reason, chunk=True, role=role, extra=extra)],
+                              chunk=True)
         if self.include_usage:
             body["usage"] = None
         return sse(body)
@@ -121,8 +160,8 @@ class Responder:
                     yield self.chunk(i, "", None, role=True)
             async for event in events:
                 if isinstance(event, Delta):
-                    if event.text or event.finish_reason:
-                        yield self.chunk(event.index, event.text, event.finish_reason)
+                    if event.text or event.finish_reason or event.extra:
+                        yield self.chunk(event.index, event.text, event.finish_reason, extra=event.extra)
                 elif isinstance(event, Finish) and self.include_usage:
                     yield sse(self._envelope([], chunk=True) | {"usage": usage_json(event.usage)})
         except BackendError as exc:  # mid-stream failure: an error event, never a silent clean end
@@ -145,7 +184,7 @@ async def _respond(request: Request, gateway: Gateway, principal: Principal, bod
         result = await collect(first, events, request)
     except ClientDisconnected:
         return JSONResponse({}, status_code=499)  # nobody is listening
-    return JSONResponse(responder.full([result.text(i) for i in range(body.n)], result.finish))
+    return JSONResponse(responder.full(result, body.n))
 
 
 @router.post("/chat/completions")
