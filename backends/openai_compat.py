@@ -10,7 +10,6 @@ a final chunk without choices. Runtime adapters (vLLM, SGLang, ...) are profiles
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from .base import (
     UpstreamError,
     Usage,
 )
+from .timing import StreamTimer
 
 
 @dataclass(frozen=True)
@@ -163,22 +163,23 @@ class OpenAICompatBackend(Backend):
 
 async def sse_data(content: aiohttp.StreamReader, idle_timeout: float) -> AsyncIterator[bytes]:
     """The `data` payloads of an SSE stream (either framing; comments and blank lines skipped).
-    The first line may take as long as the prefill; later ones within `idle_timeout`."""
-    first = True
-    while True:
-        if first:
-            line = await content.readline()
-            first = False
-        else:
+    The first line may take as long as the prefill (the session's read timeout bounds it);
+    later ones come within `idle_timeout`."""
+    lines = content.__aiter__()
+    timer = StreamTimer(idle_timeout)
+    try:
+        line = await anext(lines)
+        while True:
+            if line.startswith(b"data:"):
+                yield line[5:].strip()
             try:
-                async with asyncio.timeout(idle_timeout):
-                    line = await content.readline()
+                line = await timer.next(lines)
             except TimeoutError:
                 raise BackendTimeout(f"the upstream sent nothing for {idle_timeout:g} s") from None
-        if not line:
-            return
-        if line.startswith(b"data:"):
-            yield line[5:].strip()
+    except StopAsyncIteration:
+        return
+    finally:
+        timer.cancel()
 
 
 def _choice_parts(choice: dict) -> tuple[str, dict | None]:

@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -35,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from advisor.bench.baselines import free_port  # noqa: E402
 from advisor.bench.stub import CHUNKS, MODEL  # noqa: E402
+
+FIRST_CONTENT = re.compile(rb'"content":\s*"[^"]')  # a chunk with text (not the empty role chunk)
 
 
 # -- the gateways ----------------------------------------------------------------------------------
@@ -121,7 +124,7 @@ async def run_rate(url: str, key: str, rate: float, duration: float, seed: int) 
                         await response.read()
                         return
                     async for line in response.content:
-                        if first is None and (not stream or b'"content"' in line):
+                        if first is None and (not stream or FIRST_CONTENT.search(line)):
                             first = time.perf_counter()
                 end = time.perf_counter()
             except (aiohttp.ClientError, TimeoutError):

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from backends.base import Backend, BackendError, BackendTimeout, Delta, Event, GenerateRequest, Usage
+from backends.timing import StreamTimer
 
 from .auth import Principal
 from .errors import GatewayError
@@ -85,13 +86,14 @@ class Call:
     # -- the stream ---------------------------------------------------------------------
     async def _events(self) -> AsyncIterator[Event]:
         admission, metrics = self.gw.admission[self.model], self.gw.metrics
+        in_flight, itl = metrics.in_flight.labels(self.model), metrics.itl.labels(self.model)
         produced, status, error = 0, "cancelled", None
         admitted = False
         last = 0.0
         try:
             await admission.acquire()
             admitted = True
-            metrics.in_flight.labels(self.model).inc()
+            in_flight.inc()
             metrics.overhead.observe(time.monotonic() - self.started)
             async for event in self._timed(self.backend.generate(self.greq)):
                 if isinstance(event, Delta):
@@ -102,7 +104,7 @@ class Call:
                             self.first_token_at = now
                             metrics.ttft.labels(self.model).observe(now - self.started)
                         else:
-                            metrics.itl.labels(self.model).observe(now - last)
+                            itl.observe(now - last)
                         last = now
                 else:
                     self._finish("ok", event.usage)  # recorded before the client sees the end
@@ -116,26 +118,27 @@ class Call:
         finally:
             if admitted:
                 admission.release()
-                metrics.in_flight.labels(self.model).dec()
+                in_flight.dec()
             if not self.finished:
                 self._finish(status, Usage(self.prompt_tokens, produced, 0), error)
 
     async def _timed(self, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
         """The backend's events, each within the idle timeout and all within the request timeout."""
         settings = self.gw.settings
-        deadline = self.started + settings.request_timeout_s
+        loop = asyncio.get_running_loop()
+        timer = StreamTimer(settings.idle_timeout_s, loop.time() + settings.request_timeout_s)
         try:
             while True:
-                wait = min(settings.idle_timeout_s, deadline - time.monotonic())
                 try:
-                    async with asyncio.timeout(wait):
-                        event = await anext(events)
+                    event = await timer.next(events)
                 except StopAsyncIteration:
                     return
                 except TimeoutError:
-                    raise BackendTimeout(f"the backend sent nothing for {wait:.0f} s") from None
+                    raise BackendTimeout(f"the backend sent nothing for {settings.idle_timeout_s:g} s, or the "
+                                         f"request outlived {settings.request_timeout_s:g} s") from None
                 yield event
         finally:
+            timer.cancel()
             await events.aclose()
 
     # -- after ------------------------------------------------------------------------------
