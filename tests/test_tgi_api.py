@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 
 import httpx
@@ -130,3 +131,18 @@ def test_wire_format_routes_and_auth(tgi):
     too_many_stops = httpx.post(f"{url}/generate", headers=headers,
                                 json={"inputs": PROMPT, "parameters": {"stop": ["a", "b", "c", "d", "e"]}})
     assert too_many_stops.status_code == 422 and "stop" in too_many_stops.json()["error"]
+
+
+def test_a_tgi_client_that_leaves_cancels_the_generation(tgi):
+    url, key, backend = tgi
+    engine = backend.engine
+    with httpx.stream("POST", f"{url}/generate_stream", headers={"Authorization": f"Bearer {key}"}, timeout=60,
+                      json={"inputs": PROMPT, "parameters": {"max_new_tokens": 1500}}) as response:
+        events = (line for line in response.iter_lines() if line.startswith("data:"))
+        for _ in range(4):
+            next(events)
+        assert engine.kv.num_used > 0
+    deadline = time.monotonic() + 10
+    while engine.kv.num_used or engine.scheduler.running:
+        assert time.monotonic() < deadline, "the abandoned TGI stream still holds KV blocks"
+        time.sleep(0.01)
