@@ -192,15 +192,22 @@ def added(via: list[dict], direct: list[dict]) -> list[dict]:
     return out
 
 
-def sustained(rows: list[dict], budget_ms: float = 50.0) -> float:
-    """The highest rate before the first one whose p99 added latency breaks the budget."""
+def sustained(rows: list[dict], metric: str, budget_ms: float = 50.0) -> float:
+    """The highest rate before the first one whose p99 added `metric` latency (ttft or e2e)
+    breaks the budget or that had errors; 0 when even the lowest rate breaks it."""
     best = 0.0
     for row in rows:
-        worst = max(row["added_ttft_p99_ms"], row["added_e2e_p99_ms"])
-        if row["errors"] or worst >= budget_ms or row["achieved_rate"] < 0.9 * row["rate"]:
+        if row["errors"] or row[f"added_{metric}_p99_ms"] >= budget_ms:
             break
         best = row["rate"]
     return best
+
+
+def summarize(report: dict) -> None:
+    for name in ("servegate", "litellm"):
+        if name in report:
+            rows = report[name]["added"]
+            report[name]["sustained_rate"] = {metric: sustained(rows, metric) for metric in ("ttft", "e2e")}
 
 
 def main() -> None:
@@ -229,8 +236,7 @@ def main() -> None:
             with process(command, f"http://127.0.0.1:{port}", "/ready", env=env, cpu=0) as proc:
                 print("servegate", file=sys.stderr)
                 via = asyncio.run(measure(f"http://127.0.0.1:{port}", key, rates, args.duration, proc))
-            report["servegate"] = {"raw": via, "added": added(via, direct), "sustained_rate": None}
-            report["servegate"]["sustained_rate"] = sustained(report["servegate"]["added"])
+            report["servegate"] = {"raw": via, "added": added(via, direct)}
             if args.litellm:
                 port = free_port()
                 command, env, key = litellm(args.litellm, stub_url, home, port)
@@ -239,7 +245,7 @@ def main() -> None:
                     print("litellm", file=sys.stderr)
                     via = asyncio.run(measure(f"http://127.0.0.1:{port}", key, rates, args.duration, proc))
                 report["litellm"] = {"raw": via, "added": added(via, direct)}
-                report["litellm"]["sustained_rate"] = sustained(report["litellm"]["added"])
+    summarize(report)
     text = json.dumps(report, indent=2)
     if args.output:
         args.output.write_text(text)
