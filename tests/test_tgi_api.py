@@ -99,12 +99,17 @@ def test_wire_format_routes_and_auth(tgi):
     url, key, backend = tgi
     headers = {"Authorization": f"Bearer {key}"}
     with httpx.stream("POST", f"{url}/generate_stream", headers=headers,
-                      json={"inputs": PROMPT, "parameters": {"max_new_tokens": 4}}) as response:
+                      json={"inputs": PROMPT, "parameters": {"max_new_tokens": 4, "details": True}}) as response:
         raw = response.read().decode()
     events = [e for e in raw.split("\n\n") if e]
     assert all(e.startswith("data:{") for e in events) and "[DONE]" not in raw  # TGI's framing
     last = json.loads(events[-1][5:])
     assert last["details"]["finish_reason"] in ("length", "eos_token") and last["details"]["input_length"] > 0
+
+    plain = httpx.post(f"{url}/generate_stream", headers=headers,
+                       json={"inputs": PROMPT, "parameters": {"max_new_tokens": 4}}).text.split("\n\n")
+    last_plain = json.loads(plain[-2][5:])  # the text ends with a blank line
+    assert last_plain["generated_text"] and last_plain["details"] is None  # as TGI: details only when asked for
 
     compat = httpx.post(f"{url}/", headers=headers, json={"inputs": PROMPT, "parameters": {"max_new_tokens": 4}})
     assert isinstance(compat.json(), list) and compat.json()[0]["generated_text"]

@@ -129,8 +129,10 @@ def _event(data: dict) -> bytes:
     return b"data:" + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _stream_events(greq: GenerateRequest, events: AsyncIterator, prefix: str) -> AsyncIterator[bytes]:
-    """TGI's stream: the last token is held back until we know it is the last."""
+async def _stream_events(greq: GenerateRequest, events: AsyncIterator, prefix: str,
+                         with_details: bool) -> AsyncIterator[bytes]:
+    """TGI's stream: the last token is held back until we know it is the last; it carries the
+    whole text, and the details when they were asked for (TGI sends null otherwise)."""
     texts: list[str] = [prefix]
     pending: Token | None = None
     index = 0
@@ -150,7 +152,7 @@ async def _stream_events(greq: GenerateRequest, events: AsyncIterator, prefix: s
                            "input_length": event.usage.prompt_tokens, "seed": greq.seed}
                 last = pending or Token(id=0, text="", special=True)
                 yield _event({"index": index, "token": last.model_dump(), "generated_text": "".join(texts),
-                              "details": details})
+                              "details": details if with_details else None})
     except BackendError as exc:  # after the first byte: an error event on the 200 stream
         yield _event(GatewayError.of(exc).tgi_body())
 
@@ -159,7 +161,8 @@ async def _generate_stream(request: Request, gateway: Gateway, principal: Princi
                            model: str | None):
     greq, first, events = await _start(request, gateway, principal, body, model, stream=True)
     prefix = body.inputs if body.parameters.return_full_text else ""
-    return StreamingResponse(_stream_events(greq, resume(first, events), prefix), media_type="text/event-stream",
+    stream = _stream_events(greq, resume(first, events), prefix, body.parameters.details)
+    return StreamingResponse(stream, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
