@@ -104,35 +104,48 @@ class OpenAICompatBackend(Backend):
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         path, body = self._body(request)
         reasons: list[str | None] = [None] * request.n
-        usage = Usage(0, 0)
+        usage, pieces = None, 0
+        async for chunk in self.stream_events(path, body):
+            if "error" in chunk:
+                raise error_from_body(chunk, 502)
+            if chunk.get("usage"):
+                usage = usage_of(chunk["usage"])
+            for choice in chunk.get("choices") or ():
+                text, extra = _choice_parts(choice)
+                index, reason = choice.get("index", 0), choice.get("finish_reason")
+                if reason and index < len(reasons):
+                    reasons[index] = reason
+                if text or reason or extra:
+                    pieces += bool(text)
+                    yield Delta(index, text, (), reason, extra)
+        if not any(reasons):
+            raise UpstreamError(f"{self.name}: the stream ended before any choice finished")
+        # Servers that ignore stream_options (llama-cpp-python's) send no usage: count the
+        # streamed pieces, one token each as these servers send them; the prompt stays unknown (0).
+        yield Finish(tuple(r or "stop" for r in reasons), usage or Usage(0, pieces))
+
+    async def stream_events(self, path: str, body: dict) -> AsyncIterator[dict]:
+        """POST `body` and yield each SSE event's JSON until `[DONE]` or the end of the stream.
+        Refused connections, timeouts and HTTP errors become the matching `BackendError`."""
         try:
             async with self.client.post(path, json=body) as response:
                 if response.status >= 400:
-                    raise error_from_status(response.status, await response.read())
+                    raise self.error_for_status(response.status, await response.read())
                 async for data in sse_data(response.content, self.config.timeouts.between_chunks):
                     if data == b"[DONE]":
-                        break
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        raise error_from_body(chunk, 502)
-                    if chunk.get("usage"):
-                        usage = usage_of(chunk["usage"])
-                    for choice in chunk.get("choices") or ():
-                        text, extra = _choice_parts(choice)
-                        index, reason = choice.get("index", 0), choice.get("finish_reason")
-                        if reason and index < len(reasons):
-                            reasons[index] = reason
-                        if text or reason or extra:
-                            yield Delta(index, text, (), reason, extra)
+                        return
+                    yield json.loads(data)
         except aiohttp.ClientConnectorError as exc:
             raise Unavailable(f"{self.name}: cannot connect to {self.config.base_url}: {exc}") from exc
         except TimeoutError as exc:
             raise BackendTimeout(f"{self.name}: no answer within {self.config.timeouts.first_byte:g} s") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"{self.name}: {type(exc).__name__}: {exc}") from exc
-        if not any(reasons):
-            raise UpstreamError(f"{self.name}: the stream ended before any choice finished")
-        yield Finish(tuple(r or "stop" for r in reasons), usage)
+        except ValueError as exc:
+            raise UpstreamError(f"{self.name}: an event is not JSON: {exc}") from exc
+
+    def error_for_status(self, status: int, body: bytes) -> BackendError:
+        return error_from_status(status, body)
 
     # -- introspection ----------------------------------------------------------------------
     async def _model_max_len(self) -> int:

@@ -27,6 +27,7 @@ from .quotas import QuotaExceeded, Reservation
 from .service import Gateway
 
 log = logging.getLogger("servegate.requests")
+UNKNOWN_CONTEXT = 131_072  # tokens; settled back to actual use when the request ends
 
 
 class Call:
@@ -63,8 +64,9 @@ class Call:
         self.prompt_tokens = await self.backend.count_prompt_tokens(self.greq)
         if self.greq.max_tokens is not None:
             completion = self.greq.max_tokens
-        else:  # no cap asked: reserve what the context leaves
-            completion = max((await self.backend.capabilities()).max_context - self.prompt_tokens, 1)
+        else:  # no cap asked: reserve what the context leaves (a generous bound when it is unknown)
+            context = (await self.backend.capabilities()).max_context or UNKNOWN_CONTEXT
+            completion = max(context - self.prompt_tokens, 1)
         tokens = self.prompt_tokens + completion * self.greq.n
         try:
             self.reservation = await self.gw.quotas.reserve(self.principal.quota_scopes(), tokens)
@@ -107,6 +109,9 @@ class Call:
                             itl.observe(now - last)
                         last = now
                 else:
+                    if not event.usage.prompt_tokens:  # the backend could not say: our own count
+                        event = dataclasses.replace(
+                            event, usage=dataclasses.replace(event.usage, prompt_tokens=self.prompt_tokens))
                     self._finish("ok", event.usage)  # recorded before the client sees the end
                 yield event
         except BackendError as exc:

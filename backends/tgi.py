@@ -1,0 +1,112 @@
+"""Hugging Face TGI as a backend, through its native API.
+
+Prompts go to `/generate_stream` (events `data:{...}` with one token each, no `[DONE]`, the last
+one carrying `details`; errors arrive as `{"error", "error_type"}` events on a 200 stream);
+chat goes to TGI's OpenAI-compatible `/v1/chat/completions`, which applies the model's template.
+`/info` gives the capabilities, `/health` the health. Facts: TGI's `router/src/server.rs` and
+`docs/openapi.json` (TGI 3.3), summarized in the project's reference notes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+
+from .base import (
+    BackendError,
+    Capabilities,
+    ContextTooLong,
+    Delta,
+    Event,
+    Finish,
+    GenerateRequest,
+    InvalidRequest,
+    Overloaded,
+    UpstreamError,
+    Usage,
+)
+from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_from_status
+
+FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
+
+
+def tgi_error(error_type: str | None, message: str) -> BackendError:
+    """TGI's error types (`infer/mod.rs` `error_type()`) in the taxonomy."""
+    if error_type in ("validation", "template_error", "missing_template_variable", "tool_error"):
+        lowered = message.lower()
+        too_long = ("must be <=" in message and "tokens" in message) or "context length" in lowered
+        return (ContextTooLong if too_long else InvalidRequest)(message)
+    if error_type == "overloaded":
+        return Overloaded(message)
+    return UpstreamError(f"TGI {error_type or 'error'}: {message}")
+
+
+class TGIBackend(OpenAICompatBackend):
+    def __init__(self, config: OpenAICompatConfig, name: str = "tgi") -> None:
+        super().__init__(config, name)
+        self._info: dict = {}
+
+    async def start(self) -> None:
+        self.config.runtime = "tgi"
+        await super().start()
+        try:
+            async with self.client.get("/info", timeout=aiohttp.ClientTimeout(total=10)) as response:
+                self._info = await response.json(content_type=None) if response.status == 200 else {}
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            self._info = {}
+        self._max_context = self.config.max_context or int(self._info.get("max_total_tokens") or 0)
+
+    def error_for_status(self, status: int, body: bytes) -> BackendError:
+        import json
+
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict) and isinstance(parsed.get("error"), str):
+            return tgi_error(parsed.get("error_type"), parsed["error"])
+        return error_from_status(status, body)
+
+    async def _model_max_len(self) -> int:
+        return 0  # TGI says it in /info, read at start
+
+    def _parameters(self, request: GenerateRequest) -> dict:
+        params = {**request.extra, "details": True, "max_new_tokens": request.max_tokens, "seed": request.seed,
+                  "stop": list(request.stop)}
+        if request.temperature >= 1e-5:  # TGI is greedy unless asked to sample
+            params |= {"do_sample": True, "temperature": request.temperature,
+                       # TGI wants top_p < 1: 1.0 (no cut) is said by leaving it out
+                       "top_p": None if request.top_p == 1.0 else request.top_p, "top_k": request.top_k or None}
+        return {k: v for k, v in params.items() if v is not None}
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        if request.n != 1:
+            raise InvalidRequest("TGI generates one sequence per request: n must be 1", param="n")
+        if request.messages is not None:  # TGI's OpenAI-compatible route applies the chat template
+            async for event in super().generate(request):
+                yield event
+            return
+        if request.prompt is None:
+            raise InvalidRequest("TGI takes text prompts, not token ids", param="prompt")
+        body = {"inputs": request.prompt, "parameters": self._parameters(request)}
+        async for event in self.stream_events("/generate_stream", body):
+            if "error" in event:
+                raise tgi_error(event.get("error_type"), str(event["error"]))
+            token = event.get("token") or {}
+            text = "" if token.get("special") else token.get("text", "")
+            details = event.get("details")
+            if details is None:
+                yield Delta(0, text, (token["id"],) if "id" in token else ())
+                continue
+            reason = FINISH_REASONS.get(details.get("finish_reason"), "stop")
+            yield Delta(0, text, (token["id"],) if "id" in token else (), reason)
+            yield Finish((reason,), Usage(details.get("input_length") or 0, details.get("generated_tokens") or 0))
+            return
+        raise UpstreamError("TGI ended the stream without its final event (incomplete generation)")
+
+    async def capabilities(self) -> Capabilities:
+        return Capabilities(runtime="tgi", version=str(self._info.get("version", "")),
+                            model=str(self._info.get("model_id") or self.config.model), max_context=self._max_context,
+                            prefix_caching=True,  # TGI 3: PREFIX_CACHING defaults to true (launcher/src/main.rs)
+                            tokenize=True)

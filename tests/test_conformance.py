@@ -1,0 +1,183 @@
+"""One conformance suite for every backend, against real servers:
+
+- `builtin`: the built-in engine on the default model, in process;
+- `llama-cpp-server`: llama-cpp-python's server on the default GGUF, a subprocess, through the
+  generic OpenAI adapter (its llama.cpp profile);
+- `tgi`: the TGI adapter against a server speaking TGI's native protocol: servegate's own
+  TGI-compatible API (itself checked against TGI's official clients in test_tgi_api.py), here in
+  front of the built-in engine, so cancellation can be seen in the engine's KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from advisor.bench.baselines import free_port, server_process
+from backends.base import (
+    Backend,
+    ContextTooLong,
+    Delta,
+    Finish,
+    GenerateRequest,
+    Health,
+    InvalidRequest,
+    Load,
+)
+from backends.builtin import BuiltinBackend, EngineConfig
+from backends.builtin.loader import default_model_path
+from backends.llamacpp import LlamaCppServerBackend, llama_server_config
+from backends.openai_compat import OpenAICompatConfig
+from backends.tgi import TGIBackend
+
+from .conftest import ADMIN_KEY, gateway_app, serve_app, wait_ready
+
+PROMPT = "The three primary colors are"
+
+
+@dataclass
+class Target:
+    backend: Backend
+    engine: object | None = None  # the built-in engine behind it, where we can see its KV blocks
+    reports_prompt_tokens: bool = True
+
+
+@contextlib.contextmanager
+def target_of(kind: str, tmp_path_factory):
+    if kind == "builtin":
+        backend = BuiltinBackend(EngineConfig())
+        asyncio.run(backend.start())
+        yield Target(backend, backend.engine)
+        asyncio.run(backend.close())
+    elif kind == "llama-cpp-server":
+        port = free_port()
+        command = [sys.executable, "-m", "llama_cpp.server", "--model", str(default_model_path()), "--port",
+                   str(port), "--n_ctx", "2048", "--model_alias", "smollm2", "--interrupt_requests", "False"]
+        url = f"http://127.0.0.1:{port}"
+        with server_process(command, url, "/v1/models"):
+            config = llama_server_config(url, "smollm2", python_server=True, max_context=2048)
+            yield Target(LlamaCppServerBackend(config, name="llama-cpp"), reports_prompt_tokens=False)
+    else:
+        engine_backend = BuiltinBackend(EngineConfig())
+        app = gateway_app({engine_backend.model_id: engine_backend}, tmp_path_factory.mktemp("tgi-target"))
+        with serve_app(app) as url:
+            wait_ready(url)
+            yield Target(TGIBackend(OpenAICompatConfig(base_url=url, model=engine_backend.model_id,
+                                                       api_key=ADMIN_KEY)), engine_backend.engine)
+
+
+@pytest.fixture(scope="module", params=["builtin", "llama-cpp-server", "tgi"])
+def target(request, tmp_path_factory):
+    with target_of(request.param, tmp_path_factory) as made:
+        if request.param != "builtin":
+            asyncio.run(made.backend.start())
+        yield made
+        if request.param != "builtin":
+            asyncio.run(made.backend.close())
+
+
+def run(target: Target, coroutine):
+    """Run against the target on a fresh loop, starting remote clients inside it."""
+
+    async def main():
+        if not isinstance(target.backend, BuiltinBackend):
+            await target.backend.close()
+            await target.backend.start()  # sessions belong to the loop that made them
+        return await coroutine
+
+    return asyncio.run(main())
+
+
+async def generate(backend: Backend, **fields) -> tuple[str, Finish]:
+    fields.setdefault("temperature", 0.0)
+    request = GenerateRequest(request_id=f"c-{time.monotonic_ns()}", model="m", **fields)
+    texts, finish = [], None
+    async for event in backend.generate(request):
+        if isinstance(event, Delta):
+            texts.append(event.text)
+        else:
+            finish = event
+    return "".join(texts), finish
+
+
+def test_text_and_chat_with_max_tokens_and_usage(target):
+    async def scenario():
+        text, finish = await generate(target.backend, prompt=PROMPT, max_tokens=8)
+        chat, chat_finish = await generate(target.backend, messages=[{"role": "user", "content": "Say hi"}],
+                                           max_tokens=6)
+        return text, finish, chat, chat_finish
+
+    text, finish, chat, chat_finish = run(target, scenario())
+    assert text and chat
+    assert 1 <= finish.usage.completion_tokens <= 8 and 1 <= chat_finish.usage.completion_tokens <= 6
+    assert finish.finish_reasons[0] in ("length", "stop")
+    if finish.usage.completion_tokens == 8:
+        assert finish.finish_reasons == ("length",)
+    if target.reports_prompt_tokens:
+        assert finish.usage.prompt_tokens >= 5 and chat_finish.usage.prompt_tokens >= 5
+
+
+def test_greedy_is_repeatable_and_stop_strings_end_the_text(target):
+    async def scenario():
+        first, _ = await generate(target.backend, prompt=PROMPT, max_tokens=24)
+        again, _ = await generate(target.backend, prompt=PROMPT, max_tokens=24)
+        words = first.split()
+        stop = words[len(words) // 2]
+        stopped, finish = await generate(target.backend, prompt=PROMPT, max_tokens=24, stop=(stop,))
+        return first, again, stop, stopped, finish
+
+    first, again, stop, stopped, finish = run(target, scenario())
+    assert first == again
+    assert first.startswith(stopped) and len(stopped) < len(first)  # cut at the stop string (kept or not)
+    assert stop not in stopped[: len(stopped) - len(stop)] and finish.finish_reasons == ("stop",)
+
+
+def test_errors_map_to_the_taxonomy(target):
+    async def scenario():
+        caps = await target.backend.capabilities()
+        with pytest.raises(ContextTooLong):
+            await generate(target.backend, prompt="hello " * (caps.max_context + 50), max_tokens=4)
+        with pytest.raises(InvalidRequest):
+            await generate(target.backend, prompt=PROMPT, max_tokens=4, temperature=1.0, top_p=1.5)
+        return caps
+
+    caps = run(target, scenario())
+    assert caps.max_context >= 2048
+
+
+def test_closing_the_stream_cancels_the_request(target):
+    async def scenario():
+        request = GenerateRequest(request_id="cancel-me", model="m", prompt="Write a very long story about a cat.",
+                                  max_tokens=1500, temperature=0.7, seed=3)
+        events = target.backend.generate(request)
+        got = 0
+        async for event in events:
+            got += isinstance(event, Delta) and bool(event.text)
+            if got == 3:
+                break
+        started = time.monotonic()
+        await events.aclose()
+        closed_in = time.monotonic() - started
+        after, _ = await generate(target.backend, prompt=PROMPT, max_tokens=4)  # the backend still serves
+        return closed_in, after
+
+    closed_in, after = run(target, scenario())
+    assert closed_in < 2.0 and after
+    if target.engine is not None:  # the engine behind it freed the request's blocks
+        deadline = time.monotonic() + 10
+        while target.engine.kv.num_used or target.engine.scheduler.running:
+            assert time.monotonic() < deadline, "the cancelled request still holds KV blocks"
+            time.sleep(0.01)
+
+
+def test_health_and_load(target):
+    async def scenario():
+        return await target.backend.health(), await target.backend.load()
+
+    health, load = run(target, scenario())
+    assert health == Health.READY and isinstance(load, Load)
