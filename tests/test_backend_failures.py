@@ -1,0 +1,54 @@
+"""A backend process killed mid-stream: the client gets a typed error event, never a clean end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from advisor.bench.baselines import free_port
+from backends.builtin.loader import default_model_path
+from backends.llamacpp import LlamaCppServerBackend, llama_server_config
+
+from .conftest import AUTH, gateway_app, serve_app, wait_ready
+
+
+def test_killing_the_backend_mid_stream_ends_the_stream_with_an_error_event(tmp_path):
+    port = free_port()
+    upstream = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(default_model_path()),
+                               "--port", str(port), "--n_ctx", "2048", "--model_alias", "smollm2",
+                               "--interrupt_requests", "False"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        backend = LlamaCppServerBackend(llama_server_config(upstream, "smollm2", python_server=True, max_context=2048))
+        with serve_app(gateway_app({"smollm2": backend}, tmp_path)) as url:
+            wait_ready(url, timeout=120)
+            with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, timeout=60, json={
+                "model": "smollm2", "prompt": "Write a long story about the sea.", "max_tokens": 1500,
+                "stream": True, "temperature": 0.8, "seed": 1,
+            }) as response:
+                events = []
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if len(events) == 3:
+                            os.kill(server.pid, signal.SIGKILL)
+            assert response.status_code == 200
+            assert events[-1] == "[DONE]"
+            error = json.loads(events[-2])["error"]
+            assert error["code"] in ("upstream_error", "unavailable")
+            finished = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-2] if "choices" in e]
+            assert not any(finished)  # nothing pretended the text was complete
+            deadline = time.monotonic() + 10
+            while not (records := httpx.get(f"{url}/admin/usage", headers=AUTH).json()["records"]):
+                assert time.monotonic() < deadline, "the failed request was not recorded"
+                time.sleep(0.1)
+            assert records[0]["status"] == "error" and records[0]["error_type"] == error["code"]
+    finally:
+        server.kill()
+        server.wait()
