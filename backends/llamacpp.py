@@ -1,4 +1,4 @@
-"""llama.cpp behind the Backend interface.
+"""llama.cpp behind the Backend interface, in process (`LlamaCppBackend`) or remote.
 
 Remote mode: a `llama-server` (llama.cpp's C++ server) or llama-cpp-python's
 `python -m llama_cpp.server`, both OpenAI-compatible, through the generic adapter with what
@@ -11,11 +11,31 @@ the server's tokenizer to say what went wrong.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import threading
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 
-from .base import BackendError, ContextTooLong, Event, GenerateRequest, InvalidRequest, UpstreamError
+from .base import (
+    Backend,
+    BackendError,
+    Capabilities,
+    ContextTooLong,
+    Delta,
+    Event,
+    Finish,
+    GenerateRequest,
+    Health,
+    InvalidRequest,
+    Load,
+    Unavailable,
+    UpstreamError,
+    Usage,
+)
 from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_from_status
 
 
@@ -68,3 +88,146 @@ class LlamaCppServerBackend(OpenAICompatBackend):
             return ContextTooLong(f"the prompt has {count} tokens and max_tokens is {request.max_tokens}: "
                                   f"more than the model's context of {context} tokens", param="prompt")
         return error
+
+
+@dataclass
+class LlamaCppConfig:
+    model: str = ""  # a GGUF file (default: the default model)
+    served_name: str = ""
+    slots: int = 2  # Llama instances, each serving one request at a time
+    n_ctx: int = 2048  # per slot
+    n_threads: int = 0  # per slot; 0: the machine's cores shared among the slots
+    repeat_penalty: float = 1.0  # llama-cpp-python's default is 1.1; 1.0 keeps sampling as asked
+
+
+class LlamaCppBackend(Backend):
+    """llama.cpp in process through llama-cpp-python: a pool of `Llama` instances, one per slot,
+    each driven by its own thread (llama.cpp releases the GIL while it computes), so N requests
+    run at once instead of queueing behind one lock. The weights are memory-mapped, so the
+    instances share one copy in memory; each has its own KV cache and reuses the longest prefix
+    it evaluated last (prefix caching per slot)."""
+
+    def __init__(self, config: LlamaCppConfig | None = None, name: str = "llama-cpp") -> None:
+        self.name, self.config = name, config or LlamaCppConfig()
+        self._free: asyncio.Queue | None = None
+        self._slots: list = []
+        self._waiting = 0
+
+    @property
+    def path(self) -> Path:
+        if self.config.model:
+            return Path(self.config.model)
+        from .builtin.loader import default_model_path
+
+        return default_model_path()
+
+    @property
+    def model_id(self) -> str:
+        return self.config.served_name or self.path.stem
+
+    async def start(self) -> None:
+        from llama_cpp import Llama
+
+        c = self.config
+        threads = c.n_threads or max(1, (os.cpu_count() or 1) // c.slots)
+
+        def load():
+            return Llama(model_path=str(self.path), n_ctx=c.n_ctx, n_threads=threads, use_mmap=True, verbose=False)
+
+        self._slots = [await asyncio.to_thread(load) for _ in range(c.slots)]
+        self._free = asyncio.Queue()
+        for slot in self._slots:
+            self._free.put_nowait(slot)
+
+    async def close(self) -> None:
+        for slot in self._slots:
+            slot.close()
+        self._slots = []
+
+    def _check(self, request: GenerateRequest) -> None:
+        if request.n != 1:
+            raise InvalidRequest("llama.cpp slots generate one sequence per request: n must be 1", param="n")
+        if request.prompt_token_ids is not None:
+            raise InvalidRequest("send text or messages; token ids are not accepted here", param="prompt")
+        if request.max_tokens is not None and request.max_tokens < 1:
+            raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+        if request.temperature < 0:
+            raise InvalidRequest("temperature must be >= 0", param="temperature")
+        if not 0 < request.top_p <= 1:
+            raise InvalidRequest("top_p must be in (0, 1]", param="top_p")
+        for key, value in request.extra.items():
+            if value not in (None, False, 0, "", [], {}):
+                raise InvalidRequest(f"parameter {key!r} is not supported by the llama.cpp backend", param=key)
+
+    def _run(self, slot, request: GenerateRequest, emit, cancelled: threading.Event) -> None:
+        """On the slot's thread: stream the completion, one chunk per token, into `emit`."""
+        args = dict(max_tokens=request.max_tokens or 0, temperature=request.temperature, top_p=request.top_p,
+                    top_k=request.top_k, seed=request.seed, stop=list(request.stop) or None, stream=True,
+                    repeat_penalty=self.config.repeat_penalty)
+        try:
+            if request.messages is not None:
+                chunks = slot.create_chat_completion(messages=request.messages, **args)
+            else:
+                chunks = slot.create_completion(prompt=request.prompt, **args)
+            for chunk in chunks:
+                if cancelled.is_set():
+                    chunks.close()  # stops llama.cpp at this token
+                    break
+                emit(chunk)
+        except ValueError as exc:  # "Requested tokens (N) exceed context window of M"
+            message = str(exc)
+            kind = ContextTooLong if "context window" in message else InvalidRequest
+            emit(kind(message, param="messages" if request.messages is not None else "prompt"))
+        except Exception as exc:  # noqa: BLE001  (llama.cpp failures reach the caller, typed)
+            emit(UpstreamError(f"llama.cpp: {exc}"))
+        emit(None)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        if self._free is None:
+            raise Unavailable("the model is still loading")
+        self._check(request)
+        self._waiting += 1
+        try:
+            slot = await self._free.get()
+        finally:
+            self._waiting -= 1
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancelled = threading.Event()
+        prompt_tokens = len(slot.tokenize(request.prompt.encode(), add_bos=True)) if request.prompt else 0
+        worker = loop.run_in_executor(None, self._run, slot, request, lambda item: loop.call_soon_threadsafe(
+            queue.put_nowait, item), cancelled)
+        worker.add_done_callback(lambda _: self._free.put_nowait(slot))  # free once its thread lets go
+        texts, reason = [], None
+        try:
+            while (chunk := await queue.get()) is not None:
+                if isinstance(chunk, BackendError):
+                    raise chunk
+                choice = chunk["choices"][0]
+                text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+                reason = choice.get("finish_reason") or reason
+                if text or choice.get("finish_reason"):
+                    texts.append(text or "")
+                    yield Delta(0, text or "", (), choice.get("finish_reason"))
+        finally:
+            cancelled.set()  # the thread stops at its next token
+        completion = sum(1 for t in texts if t)  # llama-cpp-python streams one token per chunk
+        yield Finish((reason or "stop",), Usage(prompt_tokens, completion))
+
+    async def capabilities(self) -> Capabilities:
+        from llama_cpp import __version__
+
+        return Capabilities(runtime="llama-cpp-python", version=__version__, model=self.model_id,
+                            max_context=self.config.n_ctx, prefix_caching=True, tokenize=True)
+
+    async def health(self) -> Health:
+        return Health.READY if self._free is not None else Health.LOADING
+
+    async def load(self) -> Load:
+        busy = len(self._slots) - (self._free.qsize() if self._free else 0)
+        return Load(running=busy, waiting=self._waiting, details={"slots": len(self._slots)})
+
+    async def count_prompt_tokens(self, request: GenerateRequest) -> int:
+        if request.prompt is not None and self._slots:
+            return len(self._slots[0].tokenize(request.prompt.encode(), add_bos=True))
+        return await super().count_prompt_tokens(request)

@@ -1,6 +1,7 @@
 """One conformance suite for every backend, against real servers:
 
 - `builtin`: the built-in engine on the default model, in process;
+- `llama-cpp`: llama.cpp in process (llama-cpp-python, a pool of two slots) on the default GGUF;
 - `llama-cpp-server`: llama-cpp-python's server on the default GGUF, a subprocess, through the
   generic OpenAI adapter (its llama.cpp profile);
 - `tgi`: the TGI adapter against a server speaking TGI's native protocol: servegate's own
@@ -31,7 +32,7 @@ from backends.base import (
 )
 from backends.builtin import BuiltinBackend, EngineConfig
 from backends.builtin.loader import default_model_path
-from backends.llamacpp import LlamaCppServerBackend, llama_server_config
+from backends.llamacpp import LlamaCppBackend, LlamaCppConfig, LlamaCppServerBackend, llama_server_config
 from backends.openai_compat import OpenAICompatConfig
 from backends.tgi import TGIBackend
 
@@ -54,6 +55,8 @@ def target_of(kind: str, tmp_path_factory):
         asyncio.run(backend.start())
         yield Target(backend, backend.engine)
         asyncio.run(backend.close())
+    elif kind == "llama-cpp":
+        yield Target(LlamaCppBackend(LlamaCppConfig(slots=2, n_ctx=2048)), reports_prompt_tokens=False)
     elif kind == "llama-cpp-server":
         port = free_port()
         command = [sys.executable, "-m", "llama_cpp.server", "--model", str(default_model_path()), "--port",
@@ -71,7 +74,7 @@ def target_of(kind: str, tmp_path_factory):
                                                        api_key=ADMIN_KEY)), engine_backend.engine)
 
 
-@pytest.fixture(scope="module", params=["builtin", "llama-cpp-server", "tgi"])
+@pytest.fixture(scope="module", params=["builtin", "llama-cpp", "llama-cpp-server", "tgi"])
 def target(request, tmp_path_factory):
     with target_of(request.param, tmp_path_factory) as made:
         if request.param != "builtin":
