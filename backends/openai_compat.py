@@ -173,6 +173,34 @@ class OpenAICompatBackend(Backend):
     async def load(self) -> Load:
         return Load()
 
+    async def get_json(self, path: str) -> dict:
+        """A small GET (info routes); {} when the server does not answer it."""
+        try:
+            async with self.client.get(path, timeout=aiohttp.ClientTimeout(total=10)) as response:
+                if response.status != 200:
+                    return {}
+                answer = await response.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return {}
+        return answer if isinstance(answer, dict) else {}
+
+    async def scrape(self, path: str = "/metrics") -> dict[str, float]:
+        """A Prometheus endpoint's samples by name, summed over their labels; {} if it has none."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            async with self.client.get(path, timeout=aiohttp.ClientTimeout(total=10)) as response:
+                if response.status != 200:
+                    return {}
+                text = await response.text()
+        except (aiohttp.ClientError, TimeoutError):
+            return {}
+        figures: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                figures[sample.name] = figures.get(sample.name, 0.0) + sample.value
+        return figures
+
 
 async def sse_data(content: aiohttp.StreamReader, idle_timeout: float) -> AsyncIterator[bytes]:
     """The `data` payloads of an SSE stream (either framing; comments and blank lines skipped).
@@ -207,6 +235,11 @@ def _choice_parts(choice: dict) -> tuple[str, dict | None]:
     if fields:
         extra["delta"] = fields
     return delta.get("content") or "", extra or None
+
+
+def pick(figures: dict[str, float], **names: str) -> dict[str, float]:
+    """Scraped figures under our names (`Load.details`), those the server exposes."""
+    return {ours: figures[theirs] for ours, theirs in names.items() if theirs in figures}
 
 
 def usage_of(usage: dict) -> Usage:

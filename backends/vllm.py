@@ -1,0 +1,39 @@
+"""vLLM's OpenAI-compatible server. Facts for vLLM 0.33.0 (the project's reference notes, from
+`vllm/entrypoints/**` and `vllm/v1/metrics/loggers.py`): extra sampling parameters (`top_k`,
+`min_p`, `repetition_penalty`, `structured_outputs`, ...) pass through untouched as request
+extras; `/health` is 503 once the engine is dead; `/version`; `/v1/models` carries
+`max_model_len`; live load from `/metrics`; 400 for invalid requests, 503 when its admission
+limits refuse one (so clients retry elsewhere)."""
+
+from __future__ import annotations
+
+from .base import Capabilities, Load
+from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, pick
+
+
+class VLLMBackend(OpenAICompatBackend):
+    def __init__(self, config: OpenAICompatConfig, name: str = "vllm") -> None:
+        config.runtime = "vllm"
+        super().__init__(config, name)
+        self.version = ""
+
+    async def start(self) -> None:
+        await super().start()
+        self.version = str((await self.get_json("/version")).get("version", ""))
+
+    async def capabilities(self) -> Capabilities:
+        return Capabilities(runtime="vllm", version=self.version, model=self.config.model,
+                            max_context=self._max_context,
+                            prefix_caching=True)  # on by default for decoder models (vllm/config/cache.py)
+
+    async def load(self) -> Load:
+        m = await self.scrape()
+        queries = m.get("vllm:prefix_cache_queries_total", 0.0)
+        return Load(
+            running=int(m.get("vllm:num_requests_running", 0)), waiting=int(m.get("vllm:num_requests_waiting", 0)),
+            kv_usage=m.get("vllm:kv_cache_usage_perc", 0.0),
+            prefix_hit_rate=m.get("vllm:prefix_cache_hits_total", 0.0) / queries if queries else None,
+            details=pick(m, preemptions_total="vllm:num_preemptions_total",
+                         prompt_tokens_total="vllm:prompt_tokens_total",
+                         generation_tokens_total="vllm:generation_tokens_total"),
+        )
