@@ -6,11 +6,14 @@ backends:
     kind: builtin
     model: /models/model.gguf   # optional: the default model
     options: {kv_cache_tokens: 32768}
-  - name: vllm-a                # any OpenAI-compatible server
-    kind: openai
+  - name: vllm-a                # vLLM (or kind: sglang, tgi, llama-server, openai for any other)
+    kind: vllm
     url: http://10.0.0.5:8000
     model: meta-llama/Llama-3.1-8B-Instruct
     served_name: llama-3.1-8b   # what clients ask for (default: model)
+  - name: edge                  # llama.cpp in process, a pool of slots
+    kind: llama-cpp
+    options: {slots: 4, n_ctx: 4096}
 ```
 """
 
@@ -29,7 +32,7 @@ class BackendSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str
-    kind: Literal["builtin", "openai"]
+    kind: Literal["builtin", "llama-cpp", "openai", "vllm", "sglang", "tgi", "llama-server", "llama-cpp-server"]
     url: str | None = None
     model: str = ""
     served_name: str | None = None
@@ -42,12 +45,24 @@ class BackendSpec(BaseModel):
 
             return BuiltinBackend(EngineConfig(model=self.model, served_name=self.served_name or "", **self.options),
                                   name=self.name)
-        from backends.openai_compat import OpenAICompatBackend, OpenAICompatConfig
+        if self.kind == "llama-cpp":
+            from backends.llamacpp import LlamaCppBackend, LlamaCppConfig
 
+            return LlamaCppBackend(LlamaCppConfig(model=self.model, served_name=self.served_name or "",
+                                                  **self.options), name=self.name)
         if not self.url or not self.model:
-            raise ValueError(f"backend {self.name!r}: kind openai needs `url` and `model`")
-        return OpenAICompatBackend(OpenAICompatConfig(base_url=self.url, model=self.model, api_key=self.api_key,
-                                                      **self.options), name=self.name)
+            raise ValueError(f"backend {self.name!r}: kind {self.kind} needs `url` and `model`")
+        from backends import llamacpp, openai_compat, sglang, tgi, vllm
+
+        if self.kind in ("llama-server", "llama-cpp-server"):
+            config = llamacpp.llama_server_config(self.url, self.model, python_server=self.kind == "llama-cpp-server",
+                                                  api_key=self.api_key, **self.options)
+            return llamacpp.LlamaCppServerBackend(config, name=self.name)
+        adapter = {"openai": openai_compat.OpenAICompatBackend, "vllm": vllm.VLLMBackend,
+                   "sglang": sglang.SGLangBackend, "tgi": tgi.TGIBackend}[self.kind]
+        config = openai_compat.OpenAICompatConfig(base_url=self.url, model=self.model, api_key=self.api_key,
+                                                  **self.options)
+        return adapter(config, name=self.name)
 
 
 class GatewayConfig(BaseModel):
