@@ -97,7 +97,6 @@ class LlamaCppConfig:
     slots: int = 2  # Llama instances, each serving one request at a time
     n_ctx: int = 2048  # per slot
     n_threads: int = 0  # per slot; 0: the machine's cores shared among the slots
-    repeat_penalty: float = 1.0  # llama-cpp-python's default is 1.1; 1.0 keeps sampling as asked
 
 
 class LlamaCppBackend(Backend):
@@ -162,8 +161,7 @@ class LlamaCppBackend(Backend):
     def _run(self, slot, request: GenerateRequest, emit, cancelled: threading.Event) -> None:
         """On the slot's thread: stream the completion, one chunk per token, into `emit`."""
         args = dict(max_tokens=request.max_tokens or 0, temperature=request.temperature, top_p=request.top_p,
-                    top_k=request.top_k, seed=request.seed, stop=list(request.stop) or None, stream=True,
-                    repeat_penalty=self.config.repeat_penalty)
+                    top_k=request.top_k, seed=request.seed, stop=list(request.stop) or None, stream=True)
         try:
             if request.messages is not None:
                 chunks = slot.create_chat_completion(messages=request.messages, **args)

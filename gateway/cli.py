@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import signal
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
@@ -23,6 +25,14 @@ app.add_typer(keys_app, name="keys")
 @app.callback()
 def main() -> None:
     """servegate: LLM gateway, runtime advisor and TGI migration."""
+
+
+def _stop_on_sigterm() -> None:
+    """A supervisor's SIGTERM ends `launch` as Ctrl-C does, so the runtime is stopped too."""
+    def stop(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def _fail(message: str) -> None:
@@ -280,6 +290,51 @@ def keys_rotate(prefix: str) -> None:
         created = rotate_key(session, cli_actor(), prefix)
     typer.echo(f"revoked key {prefix}; created key {created.prefix} for tenant {created.tenant}")
     typer.echo(created.key)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def launch(
+    ctx: typer.Context,
+    runtime: Annotated[str, typer.Argument(help="vllm | sglang | llama-server | tgi | llama-cpp-python")],
+    model: Annotated[str, typer.Option(help="Model id or path, as the runtime takes it.")],
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8001,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    context_length: Annotated[int | None, typer.Option(help="Prompt + output tokens per request.")] = None,
+    tensor_parallel: Annotated[int, typer.Option("--tp", help="Tensor-parallel GPUs.")] = 1,
+    kv_cache_dtype: Annotated[str | None, typer.Option(help="fp8_e4m3 | fp8_e5m2 | q8_0 | q4_0 | ...")] = None,
+    max_running_requests: Annotated[int | None, typer.Option(help="Requests in the running batch.")] = None,
+    prefix_caching: Annotated[bool | None, typer.Option("--prefix-caching/--no-prefix-caching")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command and exit.")] = False,
+) -> None:
+    """Start a runtime as a supervised subprocess from one normalized spec, wait until it is
+    ready, and stop it cleanly on Ctrl-C. Arguments after `--` go to the runtime untouched."""
+    import shlex
+
+    from backends.launch import RUNTIMES, LaunchError, LaunchSpec, command, launched
+
+    if runtime not in RUNTIMES:
+        _fail(f"unknown runtime {runtime!r}: one of {', '.join(RUNTIMES)}")
+    spec = LaunchSpec(runtime=runtime, model=model, port=port, host=host, context_length=context_length,
+                      tensor_parallel=tensor_parallel, kv_cache_dtype=kv_cache_dtype,
+                      max_running_requests=max_running_requests, prefix_caching=prefix_caching,
+                      extra_args=list(ctx.args))
+    try:
+        argv, env = command(spec)
+    except LaunchError as exc:
+        _fail(str(exc))
+    typer.echo(" ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(argv)]))
+    if dry_run:
+        return
+    _stop_on_sigterm()
+    try:
+        with launched(spec) as url:
+            typer.echo(f"{runtime} ready at {url}", err=True)
+            while True:
+                time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    except (RuntimeError, TimeoutError) as exc:
+        _fail(str(exc))
 
 
 @app.command()

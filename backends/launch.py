@@ -1,0 +1,158 @@
+"""Start a runtime as a supervised subprocess from one normalized spec.
+
+The flags each runtime spells differently come from the project's reference notes (TGI's
+launcher.md; vLLM 0.33 `vllm/engine/arg_utils.py`; SGLang 0.5.23 `arg_groups/fields/*.py`;
+llama.cpp's `tools/server/README.md`; llama-cpp-python's `server/settings.py`). The trap they
+call out: SGLang's `--max-total-tokens` is the size of its KV memory pool, not a per-request
+context cap (that is `--context-length`), while TGI's `--max-total-tokens` is the context cap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import httpx
+
+Runtime = Literal["vllm", "sglang", "llama-server", "tgi", "llama-cpp-python"]
+RUNTIMES: tuple[str, ...] = ("vllm", "sglang", "llama-server", "tgi", "llama-cpp-python")
+READY_PATH = {"vllm": "/health", "sglang": "/health", "llama-server": "/health", "tgi": "/health",
+              "llama-cpp-python": "/v1/models"}  # llama-cpp-python's server has no /health
+# ggml type ids, as llama-cpp-python's `type_k` / `type_v` take them (ggml.h `enum ggml_type`).
+GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
+# TGI spells e4m3 `fp8_e4m3fn`; vLLM and SGLang spell it `fp8_e4m3`.
+TGI_KV = {"fp8_e4m3": "fp8_e4m3fn", "fp8_e5m2": "fp8_e5m2"}
+
+
+class LaunchError(ValueError):
+    """The spec asks for something this runtime cannot do (the message says what instead)."""
+
+
+@dataclass
+class LaunchSpec:
+    runtime: Runtime
+    model: str
+    port: int
+    host: str = "127.0.0.1"
+    context_length: int | None = None  # prompt + output, per request
+    tensor_parallel: int = 1
+    kv_cache_dtype: str | None = None  # fp8_e4m3, fp8_e5m2 (GPU runtimes); q8_0, q4_0, f16... (llama.cpp)
+    max_running_requests: int | None = None
+    prefix_caching: bool | None = None  # None: the runtime's default (on for all of these)
+    extra_args: list[str] = field(default_factory=list)
+
+
+def command(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
+    """The runtime's command line and extra environment for `spec`."""
+    build = {"vllm": _vllm, "sglang": _sglang, "llama-server": _llama_server, "tgi": _tgi,
+             "llama-cpp-python": _llama_cpp_python}[spec.runtime]
+    argv, env = build(spec)
+    return argv + spec.extra_args, env
+
+
+def _opt(flag: str, value) -> list[str]:
+    return [] if value is None else [flag, str(value)]
+
+
+def _tp(s: LaunchSpec) -> int | None:
+    return s.tensor_parallel if s.tensor_parallel > 1 else None
+
+
+def _vllm(s: LaunchSpec):
+    argv = ["vllm", "serve", s.model, "--host", s.host, "--port", str(s.port),
+            *_opt("--max-model-len", s.context_length), *_opt("--tensor-parallel-size", _tp(s)),
+            *_opt("--kv-cache-dtype", s.kv_cache_dtype), *_opt("--max-num-seqs", s.max_running_requests)]
+    if s.prefix_caching is not None:
+        argv.append("--enable-prefix-caching" if s.prefix_caching else "--no-enable-prefix-caching")
+    return argv, {}
+
+
+def _sglang(s: LaunchSpec):
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", s.model, "--host", s.host, "--port",
+            str(s.port), *_opt("--context-length", s.context_length),  # never --max-total-tokens: the KV pool
+            *_opt("--tp-size", _tp(s)),
+            *_opt("--kv-cache-dtype", s.kv_cache_dtype), *_opt("--max-running-requests", s.max_running_requests)]
+    if s.prefix_caching is False:
+        argv.append("--disable-radix-cache")
+    return argv, {}
+
+
+def _tgi(s: LaunchSpec):
+    if s.kv_cache_dtype is not None and s.kv_cache_dtype not in TGI_KV:
+        raise LaunchError(f"TGI's KV cache dtypes are fp8_e4m3 and fp8_e5m2, not {s.kv_cache_dtype!r}")
+    argv = ["text-generation-launcher", "--model-id", s.model, "--hostname", s.host, "--port", str(s.port),
+            *_opt("--max-total-tokens", s.context_length),
+            *_opt("--num-shard", _tp(s)),
+            *_opt("--kv-cache-dtype", TGI_KV.get(s.kv_cache_dtype or "")),
+            *_opt("--max-concurrent-requests", s.max_running_requests)]
+    # Prefix caching is no TGI flag: the PREFIX_CACHING environment variable (default true).
+    return argv, {} if s.prefix_caching is None else {"PREFIX_CACHING": "1" if s.prefix_caching else "0"}
+
+
+def _no_tensor_parallel(s: LaunchSpec, instead: str) -> None:
+    if s.tensor_parallel > 1:
+        raise LaunchError(f"{s.runtime} has no tensor parallelism here; {instead}")
+
+
+def _llama_server(s: LaunchSpec):
+    _no_tensor_parallel(s, "llama-server splits layers across GPUs with --split-mode/--tensor-split")
+    argv = ["llama-server", "-m", s.model, "--host", s.host, "--port", str(s.port), *_opt("-c", s.context_length),
+            *_opt("-np", s.max_running_requests)]
+    if s.kv_cache_dtype:
+        # A quantized V cache needs flash attention in llama.cpp.
+        argv += ["-ctk", s.kv_cache_dtype, "-ctv", s.kv_cache_dtype, "-fa", "on"]
+    if s.prefix_caching is False:
+        raise LaunchError("llama-server reuses prompts per slot (cache_prompt, per request); "
+                          "send cache_prompt=false instead of a launch flag")
+    return argv, {}
+
+
+def _llama_cpp_python(s: LaunchSpec):
+    _no_tensor_parallel(s, "use llama-server for several GPUs")
+    if (s.max_running_requests or 1) > 1:
+        raise LaunchError("llama-cpp-python's server serializes requests; for several at once use "
+                          "llama-server -np N or servegate's in-process llama.cpp pool (kind: llama-cpp)")
+    argv = [sys.executable, "-m", "llama_cpp.server", "--model", s.model, "--host", s.host, "--port", str(s.port),
+            *_opt("--n_ctx", s.context_length),
+            "--interrupt_requests", "False"]  # its default ends a running stream whenever a new request comes
+    if s.kv_cache_dtype:
+        if s.kv_cache_dtype not in GGML_TYPES:
+            raise LaunchError(f"unknown llama.cpp KV type {s.kv_cache_dtype!r}: one of {', '.join(GGML_TYPES)}")
+        argv += ["--type_k", str(GGML_TYPES[s.kv_cache_dtype]), "--type_v", str(GGML_TYPES[s.kv_cache_dtype]),
+                 "--flash_attn", "True"]
+    return argv, {}
+
+
+@contextlib.contextmanager
+def launched(spec: LaunchSpec, timeout_s: float = 600.0, log=None) -> Iterator[str]:
+    """Run the runtime until the block ends; yields its base URL once it answers its readiness
+    route. Stops it with SIGTERM, then SIGKILL after a grace period."""
+    import os
+
+    argv, env = command(spec)
+    process = subprocess.Popen(argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT if log else None)
+    url = f"http://{spec.host}:{spec.port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url + READY_PATH[spec.runtime], timeout=5).status_code == 200:
+                    break
+            if process.poll() is not None:
+                raise RuntimeError(f"{argv[0]} exited with code {process.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{argv[0]} was not ready within {timeout_s:g} s")
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
