@@ -1,0 +1,147 @@
+"""Any provider litellm supports (OpenAI, Azure, Anthropic, Bedrock, Vertex, hosted vLLM...) as a
+backend, for fallback or overflow. litellm is imported lazily, off the event loop (its import
+takes seconds), with its remote cost-map fetch disabled; calls go out with litellm's own retries
+off (the gateway decides about retries), and its exceptions are mapped to the taxonomy.
+
+Facts (litellm 1.110, the project's reference notes): every litellm exception subclasses the
+`openai` SDK's; a context overflow is `ContextWindowExceededError`; a refused connection comes
+back as `InternalServerError`, not `APIConnectionError`, so the cause chain is inspected to say
+"unavailable" all the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .base import (
+    Backend,
+    BackendError,
+    BackendTimeout,
+    Capabilities,
+    ContextTooLong,
+    Delta,
+    Event,
+    Finish,
+    GenerateRequest,
+    Health,
+    InvalidRequest,
+    Load,
+    ModelNotFound,
+    Overloaded,
+    Unavailable,
+    UpstreamError,
+    Usage,
+)
+
+REFUSED = ("connection refused", "connect call failed", "all connection attempts failed", "cannot connect")
+
+
+@dataclass
+class ProviderConfig:
+    model: str  # litellm's model string, e.g. "openai/gpt-4o-mini", "anthropic/claude-sonnet-4-5"
+    api_base: str | None = None
+    api_key: str | None = None
+    max_context: int = 0  # 0: litellm's model map says, where it knows the model
+    options: dict[str, Any] = field(default_factory=dict)  # more litellm arguments (api_version, region...)
+
+
+def _refused(exc: BaseException) -> bool:
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, ConnectionRefusedError) or any(s in str(seen).lower() for s in REFUSED):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def map_error(litellm, exc: Exception) -> BackendError:
+    """A litellm exception in the taxonomy (most specific classes first: they subclass each other)."""
+    message = str(getattr(exc, "message", "") or exc)
+    for kind, ours in ((litellm.ContextWindowExceededError, ContextTooLong), (litellm.NotFoundError, ModelNotFound),
+                       (litellm.BadRequestError, InvalidRequest), (litellm.UnprocessableEntityError, InvalidRequest),
+                       (litellm.RateLimitError, Overloaded), (litellm.ServiceUnavailableError, Unavailable),
+                       (litellm.Timeout, BackendTimeout), (litellm.APIConnectionError, Unavailable)):
+        if isinstance(exc, kind):
+            return ours(message)
+    if _refused(exc):
+        return Unavailable(f"the provider cannot be reached: {message}")
+    if isinstance(exc, litellm.AuthenticationError):
+        return UpstreamError(f"the provider refused the gateway's credentials: {message}")
+    return UpstreamError(message)
+
+
+class ProviderBackend(Backend):
+    def __init__(self, config: ProviderConfig, name: str = "provider") -> None:
+        self.name, self.config = name, config
+        self.litellm = None
+
+    async def start(self) -> None:
+        os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch from the internet at import
+
+        def load():
+            import litellm
+
+            return litellm
+
+        self.litellm = await asyncio.to_thread(load)
+        if not self.config.max_context:
+            try:
+                info = self.litellm.get_model_info(self.config.model)
+                self.config.max_context = int(info.get("max_input_tokens") or info.get("max_tokens") or 0)
+            except Exception:  # noqa: BLE001  (litellm raises a bare Exception for unmapped models)
+                self.config.max_context = 0
+
+    def _arguments(self, request: GenerateRequest) -> dict[str, Any]:
+        c = self.config
+        args = {**c.options, **request.extra, "model": c.model, "stream": True,
+                "stream_options": {"include_usage": True}, "temperature": request.temperature,
+                "top_p": request.top_p, "n": request.n, "num_retries": 0}
+        for key, value in (("api_base", c.api_base), ("api_key", c.api_key), ("max_tokens", request.max_tokens),
+                           ("seed", request.seed), ("stop", list(request.stop) or None)):
+            if value is not None:
+                args[key] = value
+        return args
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        if self.litellm is None:
+            raise Unavailable("the provider client is still loading")
+        if request.prompt_token_ids is not None:
+            raise InvalidRequest("providers take text, not token ids", param="prompt")
+        messages = request.messages or [{"role": "user", "content": request.prompt}]
+        reasons: list[str | None] = [None] * request.n
+        usage = Usage(0, 0)
+        try:
+            stream = await self.litellm.acompletion(messages=messages, **self._arguments(request))
+            async for chunk in stream:
+                if getattr(chunk, "usage", None):
+                    u = chunk.usage
+                    details = getattr(u, "prompt_tokens_details", None)
+                    usage = Usage(u.prompt_tokens or 0, u.completion_tokens or 0,
+                                  getattr(details, "cached_tokens", 0) or 0)
+                for choice in chunk.choices or ():
+                    text = getattr(choice.delta, "content", None) or ""
+                    if choice.finish_reason:
+                        reasons[choice.index] = choice.finish_reason
+                    if text or choice.finish_reason:
+                        yield Delta(choice.index, text, (), choice.finish_reason)
+        except BackendError:
+            raise
+        except Exception as exc:  # noqa: BLE001  (every litellm failure, typed)
+            raise map_error(self.litellm, exc) from exc
+        yield Finish(tuple(r or "stop" for r in reasons), usage)
+
+    async def capabilities(self) -> Capabilities:
+        provider = self.config.model.split("/", 1)[0] if "/" in self.config.model else "litellm"
+        return Capabilities(runtime=f"litellm:{provider}", version="", model=self.config.model,
+                            max_context=self.config.max_context, prefix_caching=False)
+
+    async def health(self) -> Health:
+        # A provider's health is known from its answers (the routing issue's circuit breaker), not a probe.
+        return Health.READY if self.litellm is not None else Health.LOADING
+
+    async def load(self) -> Load:
+        return Load()

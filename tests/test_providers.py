@@ -1,0 +1,100 @@
+"""litellm providers as a backend: real litellm against local OpenAI-compatible servers (the
+instant stub, and one answering each error status), and a refused connection."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import openai
+import pytest
+
+from advisor.bench import stub
+from backends.base import (
+    ContextTooLong,
+    Delta,
+    Finish,
+    GenerateRequest,
+    InvalidRequest,
+    Overloaded,
+    Unavailable,
+)
+from backends.providers import ProviderBackend, ProviderConfig
+
+from .conftest import ADMIN_KEY, free_port, gateway_app, serve_app, wait_ready
+
+ERRORS = {  # prompt -> (status, message)
+    "too long": (400, "This model's maximum context length is 4096 tokens. However, you requested 9000 tokens."),
+    "bad": (400, "top_p must be in (0, 1], got 1.5."),
+    "busy": (429, "Too many requests"),
+    "down": (503, "The server is overloaded or not ready yet."),
+}
+
+
+async def failing(scope, receive, send):
+    """Answers each prompt of ERRORS with its status and an OpenAI-shaped error."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    prompt = json.loads(body)["messages"][-1]["content"]
+    status, text = ERRORS[prompt]
+    payload = json.dumps({"error": {"message": text, "type": "invalid_request_error", "param": None, "code": status}})
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": payload.encode()})
+
+
+@pytest.fixture(scope="module")
+def upstreams():
+    with serve_app(stub.app) as good, serve_app(failing) as bad:
+        yield good, bad
+
+
+def provider(base: str) -> ProviderBackend:
+    return ProviderBackend(ProviderConfig(model=f"openai/{stub.MODEL}", api_base=f"{base}/v1", api_key="sk-local",
+                                          max_context=4096), name="litellm")
+
+
+async def generate(backend, prompt: str) -> tuple[str, Finish]:
+    texts, finish = [], None
+    async for event in backend.generate(GenerateRequest(request_id="r", model="m", prompt=prompt, max_tokens=8)):
+        if isinstance(event, Delta):
+            texts.append(event.text)
+        else:
+            finish = event
+    return "".join(texts), finish
+
+
+def test_a_provider_streams_with_usage_and_its_errors_are_typed(upstreams):
+    good, bad = upstreams
+
+    async def scenario():
+        ok = provider(good)
+        await ok.start()
+        text, finish = await generate(ok, "hello")
+        failing_provider, refused = provider(bad), provider(f"http://127.0.0.1:{free_port()}")
+        failing_provider.litellm = refused.litellm = ok.litellm
+        errors = {}
+        for prompt in ERRORS:
+            with pytest.raises(Exception) as raised:
+                await generate(failing_provider, prompt)
+            errors[prompt] = type(raised.value)
+        with pytest.raises(Exception) as unreachable:
+            await generate(refused, "hello")
+        return text, finish, errors, type(unreachable.value)
+
+    text, finish, errors, unreachable = asyncio.run(scenario())
+    assert text == "".join(f" tok{i}" for i in range(stub.CHUNKS)) and finish.usage.completion_tokens == 8
+    assert errors == {"too long": ContextTooLong, "bad": InvalidRequest, "busy": Overloaded, "down": Unavailable}
+    assert unreachable is Unavailable  # litellm says InternalServerError; the cause says refused
+
+
+def test_a_provider_behind_the_gateway(upstreams, tmp_path):
+    good, _ = upstreams
+    with serve_app(gateway_app({"cloud": provider(good)}, tmp_path)) as url:
+        wait_ready(url)  # litellm imports in the background, off the event loop
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=ADMIN_KEY, max_retries=0)
+        reply = client.chat.completions.create(model="cloud", messages=[{"role": "user", "content": "hi"}])
+        assert reply.choices[0].message.content.startswith(" tok0") and reply.usage.completion_tokens == 8
