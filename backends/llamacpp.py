@@ -32,6 +32,7 @@ from .base import (
     Health,
     InvalidRequest,
     Load,
+    TokenSpan,
     Unavailable,
     UpstreamError,
     Usage,
@@ -224,6 +225,17 @@ class LlamaCppBackend(Backend):
     async def load(self) -> Load:
         busy = len(self._slots) - (self._free.qsize() if self._free else 0)
         return Load(running=busy, waiting=self._waiting, details={"slots": len(self._slots)})
+
+    async def tokenize(self, text: str) -> list[TokenSpan]:
+        if not self._slots:
+            raise Unavailable("the model is still loading")
+        slot = self._slots[0]  # the vocabulary is read-only: any slot can tokenize
+        spans, at = [], 0
+        for token in slot.tokenize(text.encode(), add_bos=False):
+            piece = slot.detokenize([token]).decode(errors="replace")
+            spans.append(TokenSpan(token, piece, at, at + len(piece)))
+            at += len(piece)
+        return spans
 
     async def count_prompt_tokens(self, request: GenerateRequest) -> int:
         if request.prompt is not None and self._slots:

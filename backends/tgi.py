@@ -22,11 +22,13 @@ from .base import (
     Finish,
     GenerateRequest,
     InvalidRequest,
+    Load,
     Overloaded,
+    TokenSpan,
     UpstreamError,
     Usage,
 )
-from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_from_status
+from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_from_status, pick
 
 FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 
@@ -104,6 +106,20 @@ class TGIBackend(OpenAICompatBackend):
             yield Finish((reason,), Usage(details.get("input_length") or 0, details.get("generated_tokens") or 0))
             return
         raise UpstreamError("TGI ended the stream without its final event (incomplete generation)")
+
+    async def tokenize(self, text: str) -> list[TokenSpan]:
+        """TGI's `/tokenize`: `[{id, text, start, stop}]`."""
+        async with self.client.post("/tokenize", json={"inputs": text}) as response:
+            if response.status != 200:
+                raise self.error_for_status(response.status, await response.read())
+            tokens = await response.json(content_type=None)
+        return [TokenSpan(t["id"], t["text"], t["start"], t["stop"]) for t in tokens]
+
+    async def load(self) -> Load:
+        """From TGI's `tgi_*` metrics: the running batch and the queue."""
+        m = await self.scrape()
+        return Load(running=int(m.get("tgi_batch_current_size", 0)), waiting=int(m.get("tgi_queue_size", 0)),
+                    details=pick(m, batch_current_max_tokens="tgi_batch_current_max_tokens"))
 
     async def capabilities(self) -> Capabilities:
         return Capabilities(runtime="tgi", version=str(self._info.get("version", "")),

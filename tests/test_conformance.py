@@ -184,3 +184,22 @@ def test_health_and_load(target):
 
     health, load = run(target, scenario())
     assert health == Health.READY and isinstance(load, Load)
+
+
+def test_tokenize_where_the_backend_offers_it(target):
+    async def scenario():
+        caps = await target.backend.capabilities()
+        if not caps.tokenize:  # says so, clearly, when asked anyway
+            with pytest.raises(InvalidRequest, match="does not offer tokenization"):
+                await target.backend.tokenize(PROMPT)
+        return caps.tokenize, (await target.backend.tokenize(PROMPT)) if caps.tokenize else []
+
+    offered, spans = run(target, scenario())
+    if target.engine is not None or isinstance(target.backend, LlamaCppBackend):
+        assert offered  # the built-in engine, llama.cpp in process and TGI all tokenize
+    if offered:
+        assert len(spans) >= 5 and "".join(s.text for s in spans).strip() == PROMPT
+        assert all(PROMPT[s.start:s.stop].strip() == s.text.strip() for s in spans if s.stop <= len(PROMPT))
+    if target.engine is not None:
+        ids = target.engine.tokenizer.encode(PROMPT)
+        assert [s.id for s in spans] == ids
