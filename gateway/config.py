@@ -32,7 +32,8 @@ class BackendSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str
-    kind: Literal["builtin", "llama-cpp", "openai", "vllm", "sglang", "tgi", "llama-server", "llama-cpp-server"]
+    kind: Literal["builtin", "llama-cpp", "openai", "vllm", "sglang", "tgi", "llama-server", "llama-cpp-server",
+                  "trtllm", "lmdeploy", "ollama"]
     url: str | None = None
     model: str = ""
     served_name: str | None = None
@@ -52,16 +53,18 @@ class BackendSpec(BaseModel):
                                                   **self.options), name=self.name)
         if not self.url or not self.model:
             raise ValueError(f"backend {self.name!r}: kind {self.kind} needs `url` and `model`")
-        from backends import llamacpp, openai_compat, sglang, tgi, vllm
+        from backends import llamacpp, openai_compat, profiles, sglang, tgi, vllm
 
         if self.kind in ("llama-server", "llama-cpp-server"):
             config = llamacpp.llama_server_config(self.url, self.model, python_server=self.kind == "llama-cpp-server",
                                                   api_key=self.api_key, **self.options)
             return llamacpp.LlamaCppServerBackend(config, name=self.name)
-        adapter = {"openai": openai_compat.OpenAICompatBackend, "vllm": vllm.VLLMBackend,
-                   "sglang": sglang.SGLangBackend, "tgi": tgi.TGIBackend}[self.kind]
         config = openai_compat.OpenAICompatConfig(base_url=self.url, model=self.model, api_key=self.api_key,
                                                   **self.options)
+        if self.kind in profiles.PROFILES:
+            return profiles.ProfileBackend(config, self.kind, name=self.name)
+        adapter = {"openai": openai_compat.OpenAICompatBackend, "vllm": vllm.VLLMBackend,
+                   "sglang": sglang.SGLangBackend, "tgi": tgi.TGIBackend}[self.kind]
         return adapter(config, name=self.name)
 
 

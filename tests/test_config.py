@@ -16,12 +16,17 @@ def test_each_kind_builds_its_adapter(tmp_path):
   - {name: d, kind: llama-server, url: "http://10.0.0.4:8080", model: m4}
   - {name: e, kind: llama-cpp, served_name: edge, options: {slots: 2}}
   - {name: f, kind: openai, url: "http://10.0.0.6:9000", model: m6, options: {max_context: 8192}}
+  - {name: g, kind: trtllm, url: "http://10.0.0.7:8000", model: m7}
+  - {name: h, kind: ollama, url: "http://10.0.0.8:11434", model: "llama3.2:1b"}
+  - {name: i, kind: lmdeploy, url: "http://10.0.0.9:23333", model: m9}
 """)
     built = load_backends(path)
     assert {k: type(v).__name__ for k, v in built.items()} == {
         "m1": "VLLMBackend", "fast": "SGLangBackend", "m3": "TGIBackend", "m4": "LlamaCppServerBackend",
-        "edge": "LlamaCppBackend", "m6": "OpenAICompatBackend"}
+        "edge": "LlamaCppBackend", "m6": "OpenAICompatBackend", "m7": "ProfileBackend", "llama3.2:1b": "ProfileBackend",
+        "m9": "ProfileBackend"}
     assert built["m4"].config.health_path == "/health" and built["m6"].config.max_context == 8192
+    assert built["llama3.2:1b"].config.health_path == "/api/version" and built["m7"].config.runtime == "tensorrt-llm"
 
 
 @pytest.mark.parametrize("text, message", [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -123,3 +124,31 @@ def test_error_statuses_map_to_the_taxonomy():
     assert isinstance(error_from_status(404, b'{"detail":"no"}'), ModelNotFound)
     assert isinstance(error_from_status(503, b"busy"), Overloaded)
     assert isinstance(error_from_status(500, b"oops"), UpstreamError)
+
+
+def test_runtime_profiles_read_health_and_version_from_their_own_routes():
+    from backends.base import Health
+    from backends.profiles import ProfileBackend
+
+    async def ollama_like(scope, receive, send):
+        if scope["type"] == "http" and scope["path"] == "/api/version":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b'{"version":"0.12.3"}'})
+            return
+        if scope["type"] == "http" and scope["path"] == "/health":  # not Ollama's: must not be what is asked
+            await send({"type": "http.response.start", "status": 500, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await stub.app(scope, receive, send)
+
+    async def scenario(url):
+        backend = ProfileBackend(OpenAICompatConfig(base_url=url, model=stub.MODEL), "ollama")
+        await backend.start()
+        try:
+            return await backend.health(), await backend.capabilities()
+        finally:
+            await backend.close()
+
+    with serve_app(ollama_like) as url:
+        health, caps = asyncio.run(scenario(url))
+    assert health == Health.READY and (caps.runtime, caps.version) == ("ollama", "0.12.3")
