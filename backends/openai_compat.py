@@ -128,7 +128,7 @@ class OpenAICompatBackend(Backend):
         """POST `body` and yield each SSE event's JSON until `[DONE]` or the end of the stream.
         Refused connections, timeouts and HTTP errors become the matching `BackendError`."""
         try:
-            async with self.client.post(path, json=body) as response:
+            async with await self._post(path, body) as response:
                 if response.status >= 400:
                     raise self.error_for_status(response.status, await response.read())
                 async for data in sse_data(response.content, self.config.timeouts.between_chunks):
@@ -146,6 +146,16 @@ class OpenAICompatBackend(Backend):
 
     def error_for_status(self, status: int, body: bytes) -> BackendError:
         return error_from_status(status, body)
+
+    async def _post(self, path: str, body: dict) -> aiohttp.ClientResponse:
+        """POST; once more if a pooled keep-alive connection turns out to be dead before any answer
+        (servers close idle ones, and some, like llama-cpp-python's, close one after an error)."""
+        try:
+            return await self.client.post(path, json=body)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if isinstance(exc, aiohttp.ClientConnectorError):  # refused: no stale connection, a down server
+                raise
+            return await self.client.post(path, json=body)
 
     # -- introspection ----------------------------------------------------------------------
     async def _model_max_len(self) -> int:

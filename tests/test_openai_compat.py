@@ -10,7 +10,15 @@ import openai
 import pytest
 
 from advisor.bench import stub
-from backends.base import ContextTooLong, InvalidRequest, ModelNotFound, Overloaded, UpstreamError
+from backends.base import (
+    ContextTooLong,
+    Delta,
+    GenerateRequest,
+    InvalidRequest,
+    ModelNotFound,
+    Overloaded,
+    UpstreamError,
+)
 from backends.openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_from_status
 
 from .conftest import ADMIN_KEY, AUTH, free_port, gateway_app, serve_app
@@ -152,3 +160,43 @@ def test_runtime_profiles_read_health_and_version_from_their_own_routes():
     with serve_app(ollama_like) as url:
         health, caps = asyncio.run(scenario(url))
     assert health == Health.READY and (caps.runtime, caps.version) == ("ollama", "0.12.3")
+
+
+def test_a_pooled_connection_the_server_dropped_is_retried_on_a_fresh_one():
+    """The server answers one request per connection and drops the connection when a second
+    request comes on it, as servers that close idle or failed keep-alive connections do."""
+    served = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for number in range(2):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(next((line.split(b":")[1] for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length")), b"0"))
+            await reader.readexactly(length)
+            if number == 1:  # a second request on this connection: dropped, unanswered
+                writer.close()
+                return
+            body = b"".join(stub.STREAM)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(body), body))
+            await writer.drain()
+            served.append(head.split(b" ")[1])
+
+    async def scenario():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        backend = OpenAICompatBackend(OpenAICompatConfig(base_url=f"http://127.0.0.1:{port}", model=stub.MODEL,
+                                                         max_context=4096))
+        await backend.start()
+        texts = []
+        try:
+            for _ in range(3):
+                request = GenerateRequest(request_id="r", model="m", prompt="hi", max_tokens=8)
+                texts.append("".join([e.text async for e in backend.generate(request) if isinstance(e, Delta)]))
+        finally:
+            await backend.close()
+            server.close()
+        return texts
+
+    texts = asyncio.run(scenario())
+    assert texts == ["".join(f" tok{i}" for i in range(stub.CHUNKS))] * 3 and len(served) == 3
