@@ -37,7 +37,7 @@ from .base import (
     UpstreamError,
     Usage,
 )
-from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_from_status
+from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_from_status, pick
 
 
 def llama_server_config(base_url: str, model: str, python_server: bool = False, **options) -> OpenAICompatConfig:
@@ -48,6 +48,14 @@ def llama_server_config(base_url: str, model: str, python_server: bool = False, 
 
 
 class LlamaCppServerBackend(OpenAICompatBackend):
+    async def load(self) -> Load:
+        """llama-server's `llamacpp:*` metrics (with `--metrics`); llama-cpp-python's server has none."""
+        m = await self.scrape()
+        return Load(running=int(m.get("llamacpp:requests_processing", 0)),
+                    waiting=int(m.get("llamacpp:requests_deferred", 0)),
+                    details=pick(m, prompt_tokens_total="llamacpp:prompt_tokens_total",
+                                 tokens_predicted_total="llamacpp:tokens_predicted_total"))
+
     def error_for_status(self, status: int, body: bytes) -> BackendError:
         error = error_from_status(status, body)
         if status == 500 and "validation error" in error.message:

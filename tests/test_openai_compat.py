@@ -200,3 +200,30 @@ def test_a_pooled_connection_the_server_dropped_is_retried_on_a_fresh_one():
 
     texts = asyncio.run(scenario())
     assert texts == ["".join(f" tok{i}" for i in range(stub.CHUNKS))] * 3 and len(served) == 3
+
+
+def test_llama_server_load_comes_from_its_metrics():
+    from backends.llamacpp import LlamaCppServerBackend, llama_server_config
+
+    metrics = (b"# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 2\n"
+               b"# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred 5\n"
+               b"# TYPE llamacpp:tokens_predicted_total counter\nllamacpp:tokens_predicted_total 1234\n")
+
+    async def llama_server(scope, receive, send):
+        if scope["type"] == "http" and scope["path"] == "/metrics":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": metrics})
+            return
+        await stub.app(scope, receive, send)
+
+    async def scenario(url):
+        backend = LlamaCppServerBackend(llama_server_config(url, stub.MODEL, max_context=4096))
+        await backend.start()
+        try:
+            return await backend.load()
+        finally:
+            await backend.close()
+
+    with serve_app(llama_server) as url:
+        load = asyncio.run(scenario(url))
+    assert (load.running, load.waiting, load.details["tokens_predicted_total"]) == (2, 5, 1234)

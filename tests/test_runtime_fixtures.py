@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.base import ContextTooLong, Delta, Finish, GenerateRequest, Health, InvalidRequest
+from backends.base import ContextTooLong, Delta, Finish, GenerateRequest, Health, InvalidRequest, Usage
 from backends.openai_compat import OpenAICompatConfig
 from backends.sglang import SGLangBackend
 from backends.vllm import VLLMBackend
@@ -40,7 +40,7 @@ def replay(fixture: dict):
         key = f"{scope['method']} {scope['path']}"
         if scope["method"] == "POST":
             request = json.loads(body or b"{}")
-            text = json.dumps(request.get("prompt") or request.get("messages"))
+            text = json.dumps(request.get("prompt") or request.get("messages") or request.get("text"))
             if len(text) > 10_000:
                 key = "context_too_long"
             elif (request.get("top_p") or 0) > 1:
@@ -119,3 +119,29 @@ def test_the_adapter_speaks_the_runtimes_protocol(runtime):
     else:
         assert (load.running, load.waiting, load.kv_usage, load.prefix_hit_rate) == (4, 1, 0.5, 0.6)
         assert chat_finish.usage.cached_tokens == 5 and caps.max_context == 32768 and caps.prefix_caching
+
+
+def test_sglang_native_generate_streams_cumulative_text_as_deltas():
+    (path,) = FIXTURES.glob("sglang-*.json")
+    fixture = json.loads(path.read_text())
+
+    async def scenario(url):
+        backend = SGLangBackend(OpenAICompatConfig(base_url=url, model=fixture["model"]), native=True)
+        await backend.start()
+        try:
+            deltas = []
+            async for event in backend.generate(GenerateRequest(request_id="r", model="m", prompt="Colors?",
+                                                                max_tokens=6)):
+                deltas.append(event)
+            with pytest.raises(ContextTooLong):
+                await generate(backend, prompt="hello " * 5000)
+            return deltas
+        finally:
+            await backend.close()
+
+    with serve_app(replay(fixture)) as url:
+        events = asyncio.run(scenario(url))
+    texts = [e.text for e in events if isinstance(e, Delta)]
+    assert texts == [" red", ",", " yellow", " and", " blue", "."]  # pieces, not the growing text
+    finish = events[-1]
+    assert finish.finish_reasons == ("length",) and finish.usage == Usage(7, 6, 3)
