@@ -27,6 +27,9 @@ PROFILES = {
                         "200; Prometheus /metrics only with --enable-metrics (docs: production metrics)"),
     "ollama": Profile("ollama", "/api/version", "/api/version",
                       "ollama docs/api.md: GET /api/version -> {\"version\"}; OpenAI routes under /v1"),
+    "xinference": Profile("xinference", "/status", "/v1/cluster/version",
+                          "xorbitsai/inference xinference/api/restful_api.py: GET /status (internal, no auth), "
+                          "GET /v1/cluster/version (admin scope when auth is on), OpenAI routes under /v1"),
 }
 
 

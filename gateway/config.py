@@ -33,7 +33,7 @@ class BackendSpec(BaseModel):
 
     name: str
     kind: Literal["builtin", "llama-cpp", "openai", "vllm", "sglang", "tgi", "llama-server", "llama-cpp-server",
-                  "trtllm", "lmdeploy", "ollama"]
+                  "trtllm", "lmdeploy", "ollama", "xinference"]
     url: str | None = None
     model: str = ""
     served_name: str | None = None

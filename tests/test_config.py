@@ -19,14 +19,16 @@ def test_each_kind_builds_its_adapter(tmp_path):
   - {name: g, kind: trtllm, url: "http://10.0.0.7:8000", model: m7}
   - {name: h, kind: ollama, url: "http://10.0.0.8:11434", model: "llama3.2:1b"}
   - {name: i, kind: lmdeploy, url: "http://10.0.0.9:23333", model: m9}
+  - {name: j, kind: xinference, url: "http://10.0.0.10:9997", model: qwen2.5-instruct}
 """)
     built = load_backends(path)
     assert {k: type(v).__name__ for k, v in built.items()} == {
         "m1": "VLLMBackend", "fast": "SGLangBackend", "m3": "TGIBackend", "m4": "LlamaCppServerBackend",
         "edge": "LlamaCppBackend", "m6": "OpenAICompatBackend", "m7": "ProfileBackend", "llama3.2:1b": "ProfileBackend",
-        "m9": "ProfileBackend"}
+        "m9": "ProfileBackend", "qwen2.5-instruct": "ProfileBackend"}
     assert built["m4"].config.health_path == "/health" and built["m6"].config.max_context == 8192
     assert built["llama3.2:1b"].config.health_path == "/api/version" and built["m7"].config.runtime == "tensorrt-llm"
+    assert built["qwen2.5-instruct"].config.health_path == "/status"
 
 
 @pytest.mark.parametrize("text, message", [
