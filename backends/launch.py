@@ -129,30 +129,42 @@ def _llama_cpp_python(s: LaunchSpec):
 
 
 @contextlib.contextmanager
-def launched(spec: LaunchSpec, timeout_s: float = 600.0, log=None) -> Iterator[str]:
-    """Run the runtime until the block ends; yields its base URL once it answers its readiness
-    route. Stops it with SIGTERM, then SIGKILL after a grace period."""
+def supervised(argv: list[str], url: str, ready_path: str, env: dict[str, str] | None = None,
+               timeout_s: float = 600.0, headers: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """Run a server until the block ends; yields its process once `url + ready_path` answers 200.
+    Its output goes to a temporary log, quoted when it fails to start. Stops it with SIGTERM,
+    then SIGKILL after a grace period."""
     import os
+    import tempfile
 
-    argv, env = command(spec)
-    process = subprocess.Popen(argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT if log else None)
-    url = f"http://{spec.host}:{spec.port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + READY_PATH[spec.runtime], timeout=5).status_code == 200:
-                    break
-            if process.poll() is not None:
-                raise RuntimeError(f"{argv[0]} exited with code {process.returncode} before it was ready")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{argv[0]} was not ready within {timeout_s:g} s")
-            time.sleep(0.5)
-        yield url
-    finally:
-        process.terminate()
+    with tempfile.TemporaryFile("w+") as log:
+        process = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
         try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            deadline = time.monotonic() + timeout_s
+            while True:
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(url + ready_path, timeout=5, headers=headers).status_code == 200:
+                        break
+                if process.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    state = f"exited with code {process.returncode}" if process.returncode is not None else \
+                        f"was not ready within {timeout_s:g} s"
+                    raise RuntimeError(f"{argv[0]} {state}; its last output:\n{log.read()[-3000:]}")
+                time.sleep(0.25)
+            yield process
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@contextlib.contextmanager
+def launched(spec: LaunchSpec, timeout_s: float = 600.0) -> Iterator[str]:
+    """Run the runtime of `spec` until the block ends; yields its base URL once it is ready."""
+    argv, env = command(spec)
+    url = f"http://{spec.host}:{spec.port}"
+    with supervised(argv, url, READY_PATH[spec.runtime], env, timeout_s):
+        yield url

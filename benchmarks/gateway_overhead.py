@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from advisor.bench.baselines import free_port  # noqa: E402
 from advisor.bench.stub import CHUNKS, MODEL  # noqa: E402
+from backends.launch import supervised  # noqa: E402
 
 FIRST_CONTENT = re.compile(rb'"content":\s*"[^"]')  # a chunk with text (not the empty role chunk)
 
@@ -44,28 +45,10 @@ FIRST_CONTENT = re.compile(rb'"content":\s*"[^"]')  # a chunk with text (not the
 @contextlib.contextmanager
 def process(command: list[str], url: str, ready: str, env: dict | None = None, cpu: int | None = None,
             headers: dict | None = None):
+    """A gateway or the stub, pinned to `cpu`; yields its process for CPU and memory figures."""
     prefix = ["taskset", "-c", str(cpu)] if cpu is not None else []
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-    proc = subprocess.Popen(prefix + command, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            with contextlib.suppress(Exception):
-                import httpx
-
-                if httpx.get(url + ready, timeout=2, headers=headers).status_code == 200:
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                raise RuntimeError(f"{command[:3]} did not start:\n{log.read()[-3000:]}")
-            time.sleep(0.3)
+    with supervised(prefix + command, url, ready, env, 180, headers) as proc:
         yield psutil.Process(proc.pid)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def servegate(stub_url: str, home: Path, port: int):

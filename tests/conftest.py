@@ -131,6 +131,21 @@ def gateway_app(backends: dict, home: Path, db_url: str | None = None, **setting
     return create_app(backends, config, db)
 
 
+async def generated(backend, **fields):
+    """One request through a backend, greedy unless told: (choice 0's text, the Finish event)."""
+    from backends.base import Delta, GenerateRequest
+
+    fields.setdefault("temperature", 0.0)
+    request = GenerateRequest(request_id=f"t-{time.monotonic_ns()}", model="m", **fields)
+    texts, finish = [], None
+    async for event in backend.generate(request):
+        if isinstance(event, Delta):
+            texts.append(event.text)
+        else:
+            finish = event
+    return "".join(texts), finish
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -24,7 +24,6 @@ from backends.base import (
     Backend,
     ContextTooLong,
     Delta,
-    Finish,
     GenerateRequest,
     Health,
     InvalidRequest,
@@ -36,7 +35,7 @@ from backends.llamacpp import LlamaCppBackend, LlamaCppConfig, LlamaCppServerBac
 from backends.openai_compat import OpenAICompatConfig
 from backends.tgi import TGIBackend
 
-from .conftest import ADMIN_KEY, gateway_app, serve_app, wait_ready
+from .conftest import ADMIN_KEY, gateway_app, generated, serve_app, wait_ready
 
 PROMPT = "The three primary colors are"
 
@@ -96,22 +95,10 @@ def run(target: Target, coroutine):
     return asyncio.run(main())
 
 
-async def generate(backend: Backend, **fields) -> tuple[str, Finish]:
-    fields.setdefault("temperature", 0.0)
-    request = GenerateRequest(request_id=f"c-{time.monotonic_ns()}", model="m", **fields)
-    texts, finish = [], None
-    async for event in backend.generate(request):
-        if isinstance(event, Delta):
-            texts.append(event.text)
-        else:
-            finish = event
-    return "".join(texts), finish
-
-
 def test_text_and_chat_with_max_tokens_and_usage(target):
     async def scenario():
-        text, finish = await generate(target.backend, prompt=PROMPT, max_tokens=8)
-        chat, chat_finish = await generate(target.backend, messages=[{"role": "user", "content": "Say hi"}],
+        text, finish = await generated(target.backend, prompt=PROMPT, max_tokens=8)
+        chat, chat_finish = await generated(target.backend, messages=[{"role": "user", "content": "Say hi"}],
                                            max_tokens=6)
         return text, finish, chat, chat_finish
 
@@ -127,11 +114,11 @@ def test_text_and_chat_with_max_tokens_and_usage(target):
 
 def test_greedy_is_repeatable_and_stop_strings_end_the_text(target):
     async def scenario():
-        first, _ = await generate(target.backend, prompt=PROMPT, max_tokens=24)
-        again, _ = await generate(target.backend, prompt=PROMPT, max_tokens=24)
+        first, _ = await generated(target.backend, prompt=PROMPT, max_tokens=24)
+        again, _ = await generated(target.backend, prompt=PROMPT, max_tokens=24)
         words = first.split()
         stop = words[len(words) // 2]
-        stopped, finish = await generate(target.backend, prompt=PROMPT, max_tokens=24, stop=(stop,))
+        stopped, finish = await generated(target.backend, prompt=PROMPT, max_tokens=24, stop=(stop,))
         return first, again, stop, stopped, finish
 
     first, again, stop, stopped, finish = run(target, scenario())
@@ -144,9 +131,9 @@ def test_errors_map_to_the_taxonomy(target):
     async def scenario():
         caps = await target.backend.capabilities()
         with pytest.raises(ContextTooLong):
-            await generate(target.backend, prompt="hello " * (caps.max_context + 50), max_tokens=4)
+            await generated(target.backend, prompt="hello " * (caps.max_context + 50), max_tokens=4)
         with pytest.raises(InvalidRequest):
-            await generate(target.backend, prompt=PROMPT, max_tokens=4, temperature=1.0, top_p=1.5)
+            await generated(target.backend, prompt=PROMPT, max_tokens=4, temperature=1.0, top_p=1.5)
         return caps
 
     caps = run(target, scenario())
@@ -166,7 +153,7 @@ def test_closing_the_stream_cancels_the_request(target):
         started = time.monotonic()
         await events.aclose()
         closed_in = time.monotonic() - started
-        after, _ = await generate(target.backend, prompt=PROMPT, max_tokens=4)  # the backend still serves
+        after, _ = await generated(target.backend, prompt=PROMPT, max_tokens=4)  # the backend still serves
         return closed_in, after
 
     closed_in, after = run(target, scenario())

@@ -12,16 +12,13 @@ import pytest
 from advisor.bench import stub
 from backends.base import (
     ContextTooLong,
-    Delta,
-    Finish,
-    GenerateRequest,
     InvalidRequest,
     Overloaded,
     Unavailable,
 )
 from backends.providers import ProviderBackend, ProviderConfig
 
-from .conftest import ADMIN_KEY, free_port, gateway_app, serve_app, wait_ready
+from .conftest import ADMIN_KEY, free_port, gateway_app, generated, serve_app, wait_ready
 
 ERRORS = {  # prompt -> (status, message)
     "too long": (400, "This model's maximum context length is 4096 tokens. However, you requested 9000 tokens."),
@@ -33,12 +30,7 @@ ERRORS = {  # prompt -> (status, message)
 
 async def failing(scope, receive, send):
     """Answers each prompt of ERRORS with its status and an OpenAI-shaped error."""
-    body = b""
-    while True:
-        message = await receive()
-        body += message.get("body", b"")
-        if not message.get("more_body"):
-            break
+    body = await stub.read_body(receive)
     prompt = json.loads(body)["messages"][-1]["content"]
     status, text = ERRORS[prompt]
     payload = json.dumps({"error": {"message": text, "type": "invalid_request_error", "param": None, "code": status}})
@@ -57,32 +49,22 @@ def provider(base: str) -> ProviderBackend:
                                           max_context=4096), name="litellm")
 
 
-async def generate(backend, prompt: str) -> tuple[str, Finish]:
-    texts, finish = [], None
-    async for event in backend.generate(GenerateRequest(request_id="r", model="m", prompt=prompt, max_tokens=8)):
-        if isinstance(event, Delta):
-            texts.append(event.text)
-        else:
-            finish = event
-    return "".join(texts), finish
-
-
 def test_a_provider_streams_with_usage_and_its_errors_are_typed(upstreams):
     good, bad = upstreams
 
     async def scenario():
         ok = provider(good)
         await ok.start()
-        text, finish = await generate(ok, "hello")
+        text, finish = await generated(ok, prompt="hello", max_tokens=8)
         failing_provider, refused = provider(bad), provider(f"http://127.0.0.1:{free_port()}")
         failing_provider.litellm = refused.litellm = ok.litellm
         errors = {}
         for prompt in ERRORS:
             with pytest.raises(Exception) as raised:
-                await generate(failing_provider, prompt)
+                await generated(failing_provider, prompt=prompt, max_tokens=8)
             errors[prompt] = type(raised.value)
         with pytest.raises(Exception) as unreachable:
-            await generate(refused, "hello")
+            await generated(refused, prompt="hello", max_tokens=8)
         return text, finish, errors, type(unreachable.value)
 
     text, finish, errors, unreachable = asyncio.run(scenario())

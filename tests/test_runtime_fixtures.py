@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from backends.base import ContextTooLong, Delta, Finish, GenerateRequest, Health, InvalidRequest, Usage
+from advisor.bench import stub
+from backends.base import ContextTooLong, Delta, GenerateRequest, Health, InvalidRequest, Usage
 from backends.openai_compat import OpenAICompatConfig
 from backends.sglang import SGLangBackend
 from backends.vllm import VLLMBackend
 
-from .conftest import serve_app
+from .conftest import generated, serve_app
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ADAPTERS = {"vllm": VLLMBackend, "sglang": SGLangBackend}
@@ -31,12 +32,7 @@ def replay(fixture: dict):
     async def app(scope, receive, send):
         if scope["type"] != "http":
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await stub.read_body(receive)
         key = f"{scope['method']} {scope['path']}"
         if scope["method"] == "POST":
             request = json.loads(body or b"{}")
@@ -76,16 +72,6 @@ def runtime(request):
         yield name, url, fixture["model"], fixture
 
 
-async def generate(backend, **fields) -> tuple[str, Finish]:
-    texts, finish = [], None
-    async for event in backend.generate(GenerateRequest(request_id="r", model="m", max_tokens=6, **fields)):
-        if isinstance(event, Delta):
-            texts.append(event.text)
-        else:
-            finish = event
-    return "".join(texts), finish
-
-
 def test_the_adapter_speaks_the_runtimes_protocol(runtime):
     name, url, model, fixture = runtime
 
@@ -93,12 +79,13 @@ def test_the_adapter_speaks_the_runtimes_protocol(runtime):
         backend = ADAPTERS[name](OpenAICompatConfig(base_url=url, model=model))
         await backend.start()
         try:
-            text, finish = await generate(backend, prompt="The primary colors are")
-            chat, chat_finish = await generate(backend, messages=[{"role": "user", "content": "Colors?"}])
+            text, finish = await generated(backend, prompt="The primary colors are", max_tokens=6)
+            chat, chat_finish = await generated(backend, messages=[{"role": "user", "content": "Colors?"}],
+                                                max_tokens=6)
             with pytest.raises(ContextTooLong):
-                await generate(backend, prompt="hello " * 5000)
+                await generated(backend, prompt="hello " * 5000, max_tokens=6)
             with pytest.raises(InvalidRequest):
-                await generate(backend, prompt="hi", top_p=1.5)
+                await generated(backend, prompt="hi", top_p=1.5, temperature=1.0, max_tokens=6)
             return (text, finish, chat, chat_finish, await backend.health(), await backend.load(),
                     await backend.capabilities())
         finally:
@@ -134,7 +121,7 @@ def test_sglang_native_generate_streams_cumulative_text_as_deltas():
                                                                 max_tokens=6)):
                 deltas.append(event)
             with pytest.raises(ContextTooLong):
-                await generate(backend, prompt="hello " * 5000)
+                await generated(backend, prompt="hello " * 5000, max_tokens=6)
             return deltas
         finally:
             await backend.close()

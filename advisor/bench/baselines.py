@@ -12,15 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import subprocess
 import sys
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import httpx
 
 from backends.base import (
     Backend,
@@ -34,6 +30,7 @@ from backends.base import (
     Load,
     Usage,
 )
+from backends.launch import supervised
 
 
 @dataclass
@@ -145,25 +142,8 @@ class HFStaticBackend(Backend):
 def server_process(command: list[str], base_url: str, ready_path: str, timeout: float = 300,
                    env: dict[str, str] | None = None) -> Iterator[str]:
     """Run a server as a subprocess until the block ends; yields its base URL once it answers."""
-    log = open(os.devnull, "w")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(base_url + ready_path, timeout=5).status_code == 200:
-                    break
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{command[:4]} did not become ready (exit code {process.poll()})")
-            time.sleep(0.25)
+    with supervised(command, base_url, ready_path, env, timeout):
         yield base_url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
 
 
 def llama_cpp_command(model: Path, port: int, interrupt_requests: bool = False, threads: int | None = None,

@@ -30,15 +30,20 @@ FULL = json.dumps({"id": "stub", "object": "chat.completion", "created": 0, "mod
 MODELS = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": 4096}]}).encode()
 
 
-async def app(scope, receive, send):
-    if scope["type"] != "http":
-        return
+async def read_body(receive) -> bytes:
+    """An ASGI request's whole body."""
     body = b""
     while True:
         message = await receive()
         body += message.get("body", b"")
         if not message.get("more_body"):
-            break
+            return body
+
+
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    body = await read_body(receive)
     if scope["method"] == "GET":
         payload = MODELS if scope["path"] == "/v1/models" else b"{}"
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
