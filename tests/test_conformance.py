@@ -6,16 +6,20 @@
   generic OpenAI adapter (its llama.cpp profile);
 - `tgi`: the TGI adapter against a server speaking TGI's native protocol: servegate's own
   TGI-compatible API (itself checked against TGI's official clients in test_tgi_api.py), here in
-  front of the built-in engine, so cancellation can be seen in the engine's KV blocks.
+  front of the built-in engine, so cancellation can be seen in the engine's KV blocks;
+- `vllm`, `sglang`: their adapters against their wire formats replayed from tests/fixtures (no
+  GPU here; see test_runtime_fixtures.py for a live server instead).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -33,9 +37,12 @@ from backends.builtin import BuiltinBackend, EngineConfig
 from backends.builtin.loader import default_model_path
 from backends.llamacpp import LlamaCppBackend, LlamaCppConfig, LlamaCppServerBackend, llama_server_config
 from backends.openai_compat import OpenAICompatConfig
+from backends.sglang import SGLangBackend
 from backends.tgi import TGIBackend
+from backends.vllm import VLLMBackend
 
 from .conftest import ADMIN_KEY, gateway_app, generated, serve_app, wait_ready
+from .replay import replay
 
 PROMPT = "The three primary colors are"
 
@@ -64,6 +71,11 @@ def target_of(kind: str, tmp_path_factory):
         with server_process(command, url, "/v1/models"):
             config = llama_server_config(url, "smollm2", python_server=True, max_context=2048)
             yield Target(LlamaCppServerBackend(config, name="llama-cpp"), reports_prompt_tokens=False)
+    elif kind in ("vllm", "sglang"):
+        fixture = json.loads(next((Path(__file__).parent / "fixtures").glob(f"{kind}-*.json")).read_text())
+        with serve_app(replay(fixture)) as url:
+            adapter = VLLMBackend if kind == "vllm" else SGLangBackend
+            yield Target(adapter(OpenAICompatConfig(base_url=url, model=fixture["model"])))
     else:
         engine_backend = BuiltinBackend(EngineConfig())
         app = gateway_app({engine_backend.model_id: engine_backend}, tmp_path_factory.mktemp("tgi-target"))
@@ -73,7 +85,7 @@ def target_of(kind: str, tmp_path_factory):
                                                        api_key=ADMIN_KEY)), engine_backend.engine)
 
 
-@pytest.fixture(scope="module", params=["builtin", "llama-cpp", "llama-cpp-server", "tgi"])
+@pytest.fixture(scope="module", params=["builtin", "llama-cpp", "llama-cpp-server", "tgi", "vllm", "sglang"])
 def target(request, tmp_path_factory):
     with target_of(request.param, tmp_path_factory) as made:
         if request.param != "builtin":

@@ -12,50 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from advisor.bench import stub
 from backends.base import ContextTooLong, Delta, GenerateRequest, Health, InvalidRequest, Usage
 from backends.openai_compat import OpenAICompatConfig
 from backends.sglang import SGLangBackend
 from backends.vllm import VLLMBackend
 
 from .conftest import generated, serve_app
+from .replay import replay
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ADAPTERS = {"vllm": VLLMBackend, "sglang": SGLangBackend}
-
-
-def replay(fixture: dict):
-    """An ASGI app answering as the fixture says: a too-long prompt and a top_p above 1 get the
-    runtime's own errors; generations stream the recorded chunks."""
-    routes = fixture["routes"]
-
-    async def app(scope, receive, send):
-        if scope["type"] != "http":
-            return
-        body = await stub.read_body(receive)
-        key = f"{scope['method']} {scope['path']}"
-        if scope["method"] == "POST":
-            request = json.loads(body or b"{}")
-            text = json.dumps(request.get("prompt") or request.get("messages") or request.get("text"))
-            if len(text) > 10_000:
-                key = "context_too_long"
-            elif (request.get("top_p") or 0) > 1:
-                key = "invalid_parameter"
-        answer = routes.get(key, {"status": 404, "json": {"detail": "Not Found"}})
-        if "sse" in answer:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"text/event-stream")]})
-            for event in answer["sse"]:
-                await send({"type": "http.response.body", "body": f"data: {json.dumps(event)}\n\n".encode(),
-                            "more_body": True})
-            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
-            return
-        payload = json.dumps(answer["json"]).encode() if "json" in answer else answer["text"].encode()
-        kind = b"application/json" if "json" in answer else b"text/plain"
-        await send({"type": "http.response.start", "status": answer["status"], "headers": [(b"content-type", kind)]})
-        await send({"type": "http.response.body", "body": payload})
-
-    return app
 
 
 @pytest.fixture(params=sorted(ADAPTERS))

@@ -1,0 +1,69 @@
+"""Replaying a runtime's recorded wire format (tests/fixtures/*.json) as a local server."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+from advisor.bench import stub
+
+
+def replay(fixture: dict):
+    """An ASGI app answering as the fixture says: a too-long prompt and a top_p above 1 get the
+    runtime's own errors; generations stream the recorded chunks, cut where a requested stop
+    string appears (finish reason `stop`), as the runtime would."""
+    routes = fixture["routes"]
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        body = await stub.read_body(receive)
+        key, request = f"{scope['method']} {scope['path']}", {}
+        if scope["method"] == "POST":
+            request = json.loads(body or b"{}")
+            text = json.dumps(request.get("prompt") or request.get("messages") or request.get("text"))
+            if len(text) > 10_000:
+                key = "context_too_long"
+            elif (request.get("top_p") or 0) > 1:
+                key = "invalid_parameter"
+        answer = routes.get(key, {"status": 404, "json": {"detail": "Not Found"}})
+        if "sse" in answer:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream")]})
+            stops = request.get("stop") or []
+            for event in cut_at_stop(answer["sse"], [stops] if isinstance(stops, str) else stops):
+                await send({"type": "http.response.body", "body": f"data: {json.dumps(event)}\n\n".encode(),
+                            "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+            return
+        payload = json.dumps(answer["json"]).encode() if "json" in answer else answer["text"].encode()
+        kind = b"application/json" if "json" in answer else b"text/plain"
+        await send({"type": "http.response.start", "status": answer["status"], "headers": [(b"content-type", kind)]})
+        await send({"type": "http.response.body", "body": payload})
+
+    return app
+
+
+def cut_at_stop(events: list[dict], stops: list[str]) -> list[dict]:
+    """The OpenAI stream's events up to the first stop string (not included), then a `stop` finish."""
+    if not stops:
+        return events
+    out, text = [], ""
+    for event in events:
+        choices = event.get("choices") or []
+        piece = choices[0].get("text", (choices[0].get("delta") or {}).get("content", "")) if choices else ""
+        found = next((i for i in (f"{text}{piece}".find(s) for s in stops) if i >= 0), -1)
+        if found < 0:
+            out.append(event)
+            text += piece or ""
+            continue
+        last = copy.deepcopy(event)
+        kept = f"{text}{piece}"[len(text):found] if found > len(text) else ""
+        choice = last["choices"][0]
+        if "delta" in choice:
+            choice["delta"] = {"content": kept}
+        else:
+            choice["text"] = kept
+        choice["finish_reason"] = "stop"
+        return out + [last] + [e for e in events if e.get("usage")]
+    return events
