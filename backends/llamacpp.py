@@ -37,7 +37,7 @@ from .base import (
     UpstreamError,
     Usage,
 )
-from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_from_status, pick
+from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_for, message_of, pick
 
 
 def llama_server_config(base_url: str, model: str, python_server: bool = False, **options) -> OpenAICompatConfig:
@@ -57,10 +57,10 @@ class LlamaCppServerBackend(OpenAICompatBackend):
                                  tokens_predicted_total="llamacpp:tokens_predicted_total"))
 
     def error_for_status(self, status: int, body: bytes) -> BackendError:
-        error = error_from_status(status, body)
-        if status == 500 and "validation error" in error.message:
-            return InvalidRequest(error.message.removeprefix("upstream answered 500: "))
-        return error
+        message = message_of(body)
+        if status == 500 and "validation error" in message:  # the client's fault, reported as the server's
+            return InvalidRequest(message)
+        return error_for(status, message)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         produced = False

@@ -257,22 +257,23 @@ def usage_of(usage: dict) -> Usage:
     return Usage(usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0, cached)
 
 
-def error_from_body(body: dict, status: int) -> BackendError:
-    error = body.get("error")
-    detail = error if isinstance(error, dict) else {"message": str(error or body)}
-    message = str(detail.get("message") or detail)
-    code = detail.get("code") or detail.get("http_status_code")
-    return error_from_status(int(code) if str(code).isdigit() else status, message)
+def message_of(body: bytes | str | dict) -> str:
+    """The human message of any runtime's error body: OpenAI's nested `{"error": {"message"}}`,
+    SGLang's flat `{"message"}`, TGI's `{"error": "..."}`, or plain text."""
+    if not isinstance(body, dict):
+        text = body.decode(errors="replace") if isinstance(body, bytes) else body
+        try:
+            body = json.loads(text)
+        except ValueError:
+            return text[:500]
+        if not isinstance(body, dict):
+            return str(body)
+    error = body.get("error", body)
+    return str(error.get("message", error)) if isinstance(error, dict) else str(error)
 
 
-def error_from_status(status: int, body: bytes | str) -> BackendError:
-    text = body.decode(errors="replace") if isinstance(body, bytes) else body
-    try:
-        parsed = json.loads(text)
-        error = parsed.get("error", parsed) if isinstance(parsed, dict) else parsed
-        message = str(error.get("message", error)) if isinstance(error, dict) else str(error)
-    except ValueError:
-        message = text[:500]
+def error_for(status: int, message: str) -> BackendError:
+    """An HTTP status and its message, in the taxonomy."""
     if status in (400, 422):
         lowered = message.lower()
         too_long = "context length" in lowered or "maximum context" in lowered or "too long" in lowered
@@ -284,3 +285,14 @@ def error_from_status(status: int, body: bytes | str) -> BackendError:
     if status == 504:
         return BackendTimeout(message)
     return UpstreamError(f"upstream answered {status}: {message}")
+
+
+def error_from_status(status: int, body: bytes | str) -> BackendError:
+    return error_for(status, message_of(body))
+
+
+def error_from_body(event: dict, status: int) -> BackendError:
+    """An error sent as a stream event; its own `code` (vLLM) or `http_status_code` (TGI) wins."""
+    detail = event.get("error") if isinstance(event.get("error"), dict) else {}
+    code = detail.get("code") or detail.get("http_status_code")
+    return error_for(int(code) if str(code).isdigit() else status, message_of(event))

@@ -9,9 +9,8 @@ chat goes to TGI's OpenAI-compatible `/v1/chat/completions`, which applies the m
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
-
-import aiohttp
 
 from .base import (
     BackendError,
@@ -28,7 +27,7 @@ from .base import (
     UpstreamError,
     Usage,
 )
-from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_from_status, pick
+from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_from_status, message_of, pick
 
 FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 
@@ -52,22 +51,16 @@ class TGIBackend(OpenAICompatBackend):
     async def start(self) -> None:
         self.config.runtime = "tgi"
         await super().start()
-        try:
-            async with self.client.get("/info", timeout=aiohttp.ClientTimeout(total=10)) as response:
-                self._info = await response.json(content_type=None) if response.status == 200 else {}
-        except (aiohttp.ClientError, TimeoutError, ValueError):
-            self._info = {}
+        self._info = await self.get_json("/info")
         self._max_context = self.config.max_context or int(self._info.get("max_total_tokens") or 0)
 
     def error_for_status(self, status: int, body: bytes) -> BackendError:
-        import json
-
         try:
             parsed = json.loads(body)
         except ValueError:
             parsed = None
-        if isinstance(parsed, dict) and isinstance(parsed.get("error"), str):
-            return tgi_error(parsed.get("error_type"), parsed["error"])
+        if isinstance(parsed, dict) and "error_type" in parsed:  # TGI's own shape
+            return tgi_error(parsed["error_type"], message_of(parsed))
         return error_from_status(status, body)
 
     async def _model_max_len(self) -> int:

@@ -81,10 +81,6 @@ def _limits(row: Limits) -> QuotaLimits:
                        max_concurrency=row.max_concurrency)
 
 
-def _aware(moment: datetime | None) -> datetime | None:
-    return moment.replace(tzinfo=UTC) if moment is not None and moment.tzinfo is None else moment
-
-
 def unauthorized(message: str) -> GatewayError:
     return GatewayError(401, message, "invalid_request_error", code="invalid_api_key",
                         headers={"WWW-Authenticate": "Bearer"})
@@ -116,7 +112,7 @@ class Directory:
         }
         self.keys = {
             k.prefix: KeyView(k.prefix, k.key_hash, by_id[k.tenant_id].name, frozenset(k.scopes.split(",")),
-                              _aware(k.expires_at), _limits(k), k.max_tokens_per_request)
+                              k.expires_at, _limits(k), k.max_tokens_per_request)
             for k in keys if k.tenant_id in by_id
         }
         self.loaded_at = datetime.now(UTC)

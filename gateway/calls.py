@@ -78,8 +78,7 @@ class Call:
                                headers={"Retry-After": str(int(exc.retry_after))}) from None
 
     def _refuse_if_never_admissible(self, exc: QuotaExceeded, tokens: int) -> None:
-        scope = next(s for s in self.principal.quota_scopes() if s.name == exc.scope)
-        limit = getattr(scope.limits, exc.limit)
+        limit = exc.value
         if exc.limit in ("tpm", "tokens_per_day") and tokens > limit:
             raise GatewayError(400, f"This request reserves {tokens} tokens (prompt + max_tokens), more than "
                                f"{exc.scope}'s limit of {limit} {exc.limit}; lower max_tokens.",

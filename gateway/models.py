@@ -13,6 +13,11 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def as_utc(moment: datetime | None) -> datetime | None:
+    """Times without a zone (query parameters, the CLI) are taken as UTC."""
+    return moment.replace(tzinfo=UTC) if moment is not None and moment.tzinfo is None else moment
+
+
 MAX_LIMIT = 2**53  # fits the databases' 64-bit integers and JSON numbers
 
 

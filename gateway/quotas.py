@@ -41,9 +41,9 @@ class Scope:
 
 
 class QuotaExceeded(Exception):
-    def __init__(self, scope: str, limit: str, retry_after: float, message: str) -> None:
+    def __init__(self, scope: str, limit: str, value: int, retry_after: float, message: str) -> None:
         super().__init__(message)
-        self.scope, self.limit, self.retry_after, self.message = scope, limit, retry_after, message
+        self.scope, self.limit, self.value, self.retry_after, self.message = scope, limit, value, retry_after, message
 
 
 @dataclass
@@ -69,7 +69,7 @@ def _exceeded(scope: Scope, limit: str, now: float) -> QuotaExceeded:
         wait = 1.0
     else:
         wait = MINUTE - now % MINUTE
-    return QuotaExceeded(scope.name, limit, math.ceil(wait),
+    return QuotaExceeded(scope.name, limit, value, math.ceil(wait),
                          f"Rate limit reached for {scope.name}: {LIMIT_NAMES[limit]} limit {value}.")
 
 

@@ -12,13 +12,12 @@ class ModelRouter:
     def models(self) -> list[str]:
         return list(self.backends)
 
-    def resolve(self, model: str | None) -> tuple[str, Backend]:
-        if not model and len(self.backends) == 1:
-            return next(iter(self.backends.items()))
-        backend = self.backends.get(model or "")
-        if backend is None:
-            raise ModelNotFound(
-                f"The model `{model}` does not exist. Available: {', '.join(self.backends) or 'none'}.",
-                param="model",
-            )
-        return model, backend
+    def resolve(self, model: str | None, visible: list[str]) -> tuple[str, Backend]:
+        """The backend for `model` among the `visible` ones (optional when only one is). Models
+        the caller may not use are reported as missing, never as forbidden."""
+        if not model and len(visible) == 1:
+            model = visible[0]
+        if model not in visible:
+            raise ModelNotFound(f"The model `{model}` does not exist or you do not have access to it. "
+                                f"Available: {', '.join(visible) or 'none'}.", param="model")
+        return model, self.backends[model]

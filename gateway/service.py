@@ -9,7 +9,7 @@ import logging
 
 from sqlalchemy import Engine
 
-from backends.base import Backend, ModelNotFound
+from backends.base import Backend
 
 from .admission import Admission
 from .auth import Directory, Principal
@@ -60,12 +60,4 @@ class Gateway:
         return [m for m in self.router.models() if principal.may_use(m)]
 
     def resolve(self, principal: Principal, model: str | None) -> tuple[str, Backend]:
-        """The backend for `model` (optional when the caller may use exactly one). Models of other
-        tenants are reported as missing, never as forbidden."""
-        visible = self.visible_models(principal)
-        if not model and len(visible) == 1:
-            model = visible[0]
-        if model not in visible:
-            raise ModelNotFound(f"The model `{model}` does not exist or you do not have access to it. "
-                                f"Available: {', '.join(visible) or 'none'}.", param="model")
-        return model, self.router.backends[model]
+        return self.router.resolve(model, self.visible_models(principal))

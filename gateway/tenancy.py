@@ -4,7 +4,7 @@ is written to the audit log (who, what, before, after) in the same transaction."
 from __future__ import annotations
 
 import getpass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -13,7 +13,7 @@ from sqlmodel import Session, col, select
 
 from .errors import GatewayError
 from .keys import hash_key, key_prefix, new_key
-from .models import ApiKey, AuditLog, Limits, Tenant, UsageRecord, utcnow
+from .models import ApiKey, AuditLog, Limits, Tenant, UsageRecord, as_utc, utcnow
 
 Scope = Literal["inference", "admin"]
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
@@ -212,7 +212,7 @@ def list_keys(session: Session, tenant: str | None = None) -> list[KeyOut]:
 # -- usage ----------------------------------------------------------------------------------
 def usage_report(session: Session, tenant: str | None = None, since: datetime | None = None,
                  until: datetime | None = None, limit: int = 100) -> UsageReport:
-    since, until = (_utc(t) for t in (since, until))
+    since, until = as_utc(since), as_utc(until)
     conditions = []
     if tenant is not None:
         conditions.append(UsageRecord.tenant == tenant)
@@ -228,11 +228,6 @@ def usage_report(session: Session, tenant: str | None = None, since: datetime | 
     return UsageReport(totals=UsageTotals(requests=totals[0], prompt_tokens=totals[1], completion_tokens=totals[2],
                                           cached_tokens=totals[3]),
                        records=[r.model_dump(mode="json") for r in rows])
-
-
-def _utc(moment: datetime | None) -> datetime | None:
-    """Times without a zone are taken as UTC."""
-    return moment.replace(tzinfo=UTC) if moment is not None and moment.tzinfo is None else moment
 
 
 # -- first start ----------------------------------------------------------------------------

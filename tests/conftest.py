@@ -172,8 +172,14 @@ def serve_app(app):
         thread.join(timeout=30)
 
 
-def wait_ready(base_url: str, timeout: float = 120) -> None:
+def wait_ready(base_url: str, timeout: float = 120, path: str = "/ready", process=None) -> None:
+    """Until `base_url + path` answers 200 (a server still starting may refuse connections);
+    fails if it takes longer than `timeout` or if `process` (a Popen) exits meanwhile."""
     deadline = time.monotonic() + timeout
-    while httpx.get(f"{base_url}/ready").status_code != 200:
-        assert time.monotonic() < deadline, "backend never became ready"
+    while True:
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{base_url}{path}").status_code == 200:
+                return
+        assert process is None or process.poll() is None, f"the server exited with code {process.returncode}"
+        assert time.monotonic() < deadline, f"{base_url}{path} never answered 200"
         time.sleep(0.1)

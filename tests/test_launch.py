@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -67,15 +66,7 @@ def test_launched_llama_cpp_python_is_served_through_the_gateway(tmp_path):
     try:
         backend = LlamaCppServerBackend(llama_server_config(upstream, "smollm2", python_server=True,
                                                             max_context=2048))
-        deadline = time.monotonic() + 120
-        while True:  # `launch` waits for readiness too; the test only needs the server up
-            try:
-                if httpx.get(f"{upstream}/v1/models").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert supervisor.poll() is None and time.monotonic() < deadline, "the launched server never answered"
-            time.sleep(0.5)
+        wait_ready(upstream, path="/v1/models", process=supervisor)
         with serve_app(gateway_app({"smollm2": backend}, tmp_path)) as url:
             wait_ready(url)
             reply = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=60, json={

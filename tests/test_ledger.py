@@ -19,7 +19,7 @@ from gateway.db import make_engine, upgrade
 from gateway.ledger import UsageLedger
 from gateway.models import UsageRecord
 
-from .conftest import ADMIN_KEY
+from .conftest import ADMIN_KEY, wait_ready
 
 
 def record(request_id: str) -> dict:
@@ -76,15 +76,8 @@ def test_sigkill_during_load_loses_no_completed_request(tiny_model_dir, tmp_path
 
     def start() -> subprocess.Popen:
         process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/ready").status_code == 200:
-                    return process
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None and time.monotonic() < deadline, "the gateway did not start"
-            time.sleep(0.2)
+        wait_ready(url, process=process)
+        return process
 
     gateway = start()
     completed: list[str] = []

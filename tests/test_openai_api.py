@@ -188,15 +188,7 @@ def test_servegate_serve_cli_bootstraps_a_key_and_answers_the_openai_sdk(tmp_pat
                                 stdout=out, stderr=out, env={**os.environ, **env})
         try:
             url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 180
-            while True:
-                try:
-                    if httpx.get(f"{url}/ready").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert proc.poll() is None and time.monotonic() < deadline, "servegate serve did not become ready"
-                time.sleep(0.2)
+            wait_ready(url, timeout=180, process=proc)
             lines = log.read_text().splitlines()
             key = lines[lines.index(next(x for x in lines if x.startswith("Created tenant `default`"))) + 1]
             client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)

@@ -24,23 +24,33 @@ from backends.openai_compat import OpenAICompatBackend, OpenAICompatConfig, erro
 from .conftest import ADMIN_KEY, AUTH, free_port, gateway_app, serve_app
 
 
-async def quirky(scope, receive, send):
-    """An upstream with TGI-style framing (`data:` without a space), no `[DONE]`, and, on
-    `/v1/completions`, an error event after the first chunk."""
-    if scope["type"] != "http":
-        return
-    while (await receive()).get("more_body"):
-        pass
-    if scope["method"] == "GET":
-        await stub.app(scope, receive, send)
-        return
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+def upstream(pieces_for):
+    """An OpenAI-compatible upstream answering GETs as the stub does and each POST with the SSE
+    pieces `pieces_for(path)` gives."""
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await stub.read_body(receive)
+        if scope["method"] == "GET":
+            await stub.app(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for piece in pieces_for(scope["path"]):
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    return app
+
+
+def quirky_pieces(path: str) -> list[bytes]:
+    """TGI-style framing (`data:` without a space), no `[DONE]`, and, on `/v1/completions`, an
+    error event after the first chunk."""
     pieces = [p.replace(b"data: ", b"data:") for p in stub.STREAM[:-1]]
-    if scope["path"] == "/v1/completions":
+    if path == "/v1/completions":
         pieces = pieces[:1] + [b'data:{"error":{"message":"the engine died","code":500}}\n\n']
-    for piece in pieces:
-        await send({"type": "http.response.body", "body": piece, "more_body": True})
-    await send({"type": "http.response.body", "body": b""})
+    return pieces
 
 
 TOOL_CHUNKS = [
@@ -54,26 +64,17 @@ TOOL_CHUNKS = [
 ]
 
 
-async def tools(scope, receive, send):
-    """An upstream answering with a tool call and logprobs, in pieces, as vLLM streams them."""
-    if scope["type"] != "http":
-        return
-    while (await receive()).get("more_body"):
-        pass
-    if scope["method"] == "GET":
-        await stub.app(scope, receive, send)
-        return
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
-    for choice in TOOL_CHUNKS:
-        chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": stub.MODEL, "choices": [choice]}
-        await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
-                    "more_body": True})
-    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+def tool_pieces(path: str) -> list[bytes]:
+    """A tool call and logprobs, in pieces, as vLLM streams them."""
+    chunks = [{"id": "x", "object": "chat.completion.chunk", "created": 0, "model": stub.MODEL, "choices": [c]}
+              for c in TOOL_CHUNKS]
+    return [f"data: {json.dumps(c)}\n\n".encode() for c in chunks] + [b"data: [DONE]\n\n"]
 
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    with serve_app(stub.app) as plain, serve_app(quirky) as odd, serve_app(tools) as tooling:
+    with serve_app(stub.app) as plain, serve_app(upstream(quirky_pieces)) as odd, \
+            serve_app(upstream(tool_pieces)) as tooling:
         backends = {
             "stub": OpenAICompatBackend(OpenAICompatConfig(base_url=plain, model=stub.MODEL), name="stub"),
             "quirky": OpenAICompatBackend(OpenAICompatConfig(base_url=odd, model=stub.MODEL), name="quirky"),
