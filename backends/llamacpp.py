@@ -38,6 +38,7 @@ from .base import (
     Usage,
 )
 from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_for, message_of, pick
+from .tokenization import spans
 
 
 def llama_server_config(base_url: str, model: str, python_server: bool = False, **options) -> OpenAICompatConfig:
@@ -48,13 +49,58 @@ def llama_server_config(base_url: str, model: str, python_server: bool = False, 
 
 
 class LlamaCppServerBackend(OpenAICompatBackend):
+    def __init__(self, config: OpenAICompatConfig, name: str = "llama-server") -> None:
+        super().__init__(config, name)
+        self.python_server = config.runtime == "llama-cpp-python"
+        self.props: dict = {}
+
+    async def start(self) -> None:
+        """llama-server's `/props`: its build (`build_info`, e.g. "b6500-3f4ed9a7"), its slots and
+        each slot's context (`default_generation_settings.n_ctx`) when `/v1/models` has none."""
+        await super().start()
+        if not self.python_server:
+            self.props = await self.get_json("/props")
+            n_ctx = (self.props.get("default_generation_settings") or {}).get("n_ctx")
+            self._max_context = self._max_context or int(n_ctx or 0)
+
+    async def capabilities(self) -> Capabilities:
+        return Capabilities(runtime=self.config.runtime, version=str(self.props.get("build_info", "")),
+                            model=self.config.model, max_context=self._max_context,
+                            prefix_caching=not self.python_server,  # llama-server: cache_prompt, on by default
+                            tokenize=not self.python_server)
+
+    def _body(self, request: GenerateRequest) -> tuple[str, dict]:
+        """llama-server reuses a slot's cached prompt prefix when the request asks (`cache_prompt`,
+        default true in current builds, off in older ones): ask explicitly, unless the client chose."""
+        path, body = super()._body(request)
+        if not self.python_server:
+            body.setdefault("cache_prompt", True)
+        return path, body
+
     async def load(self) -> Load:
-        """llama-server's `llamacpp:*` metrics (with `--metrics`); llama-cpp-python's server has none."""
+        """From llama-server's `llamacpp:*` metrics (with `--metrics`), else from `/slots` (on by
+        default): the slots processing a request. llama-cpp-python's server has neither."""
         m = await self.scrape()
-        return Load(running=int(m.get("llamacpp:requests_processing", 0)),
-                    waiting=int(m.get("llamacpp:requests_deferred", 0)),
-                    details=pick(m, prompt_tokens_total="llamacpp:prompt_tokens_total",
-                                 tokens_predicted_total="llamacpp:tokens_predicted_total"))
+        if m or self.python_server:
+            return Load(running=int(m.get("llamacpp:requests_processing", 0)),
+                        waiting=int(m.get("llamacpp:requests_deferred", 0)),
+                        details=pick(m, prompt_tokens_total="llamacpp:prompt_tokens_total",
+                                     tokens_predicted_total="llamacpp:tokens_predicted_total"))
+        slots = await self.get_json("/slots", list)
+        return Load(running=sum(bool(slot.get("is_processing")) for slot in slots),
+                    details={"slots": float(len(slots))} if slots else {})
+
+    async def tokenize(self, text: str) -> list[TokenSpan]:
+        """llama-server's `/tokenize` with `with_pieces`: each token's piece, as text or, where
+        a piece is not valid UTF-8, as a list of bytes."""
+        if self.python_server:
+            return await super().tokenize(text)
+        async with self.client.post("/tokenize", json={"content": text, "with_pieces": True}) as response:
+            if response.status != 200:
+                raise self.error_for_status(response.status, await response.read())
+            tokens = (await response.json(content_type=None)).get("tokens", [])
+        pieces = [bytes(t["piece"]) if isinstance(t["piece"], list) else t["piece"].encode() for t in tokens]
+        return spans(text, [t["id"] for t in tokens], pieces)
 
     def error_for_status(self, status: int, body: bytes) -> BackendError:
         message = message_of(body)
@@ -75,10 +121,10 @@ class LlamaCppServerBackend(OpenAICompatBackend):
 
     async def _diagnose(self, request: GenerateRequest, error: UpstreamError) -> BackendError:
         """Why a stream came back empty: a prompt too long for the context, or `error`."""
-        python_server = self.config.runtime == "llama-cpp-python"
         text = request.prompt if request.prompt is not None else " ".join(
             str(m.get("content") or "") for m in request.messages or ())
-        path, body = ("/extras/tokenize/count", {"input": text}) if python_server else ("/tokenize", {"content": text})
+        path, body = ("/extras/tokenize/count", {"input": text}) if self.python_server \
+            else ("/tokenize", {"content": text})
         answer = None
         for _ in range(2):  # the server drops the connection of the failed stream: a pooled one may be dead
             try:
@@ -238,12 +284,8 @@ class LlamaCppBackend(Backend):
         if not self._slots:
             raise Unavailable("the model is still loading")
         slot = self._slots[0]  # the vocabulary is read-only: any slot can tokenize
-        spans, at = [], 0
-        for token in slot.tokenize(text.encode(), add_bos=False):
-            piece = slot.detokenize([token]).decode(errors="replace")
-            spans.append(TokenSpan(token, piece, at, at + len(piece)))
-            at += len(piece)
-        return spans
+        ids = slot.tokenize(text.encode(), add_bos=False)
+        return spans(text, ids, [slot.detokenize([token]) for token in ids])
 
     async def count_prompt_tokens(self, request: GenerateRequest) -> int:
         if request.prompt is not None and self._slots:

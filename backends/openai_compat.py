@@ -183,16 +183,17 @@ class OpenAICompatBackend(Backend):
     async def load(self) -> Load:
         return Load()
 
-    async def get_json(self, path: str) -> dict:
-        """A small GET (info routes); {} when the server does not answer it."""
+    async def get_json(self, path: str, kind: type = dict):
+        """A small GET (info routes): its JSON `kind` (a dict or a list), empty when the server
+        does not answer it."""
         try:
             async with self.client.get(path, timeout=aiohttp.ClientTimeout(total=10)) as response:
                 if response.status != 200:
-                    return {}
+                    return kind()
                 answer = await response.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError):
-            return {}
-        return answer if isinstance(answer, dict) else {}
+            return kind()
+        return answer if isinstance(answer, kind) else kind()
 
     async def scrape(self, path: str = "/metrics") -> dict[str, float]:
         """A Prometheus endpoint's samples by name, summed over their labels; {} if it has none."""

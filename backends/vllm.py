@@ -1,14 +1,15 @@
 """vLLM's OpenAI-compatible server. Facts for vLLM 0.33.0 (the project's reference notes, from
 `vllm/entrypoints/**` and `vllm/v1/metrics/loggers.py`): extra sampling parameters (`top_k`,
 `min_p`, `repetition_penalty`, `structured_outputs`, ...) pass through untouched as request
-extras; `/health` is 503 once the engine is dead; `/version`; `/v1/models` carries
+extras; `/health` is 503 once the engine is dead; `/version`; `/tokenize`; `/v1/models` carries
 `max_model_len`; live load from `/metrics`; 400 for invalid requests, 503 when its admission
 limits refuse one (so clients retry elsewhere)."""
 
 from __future__ import annotations
 
-from .base import Capabilities, Load
+from .base import Capabilities, Load, TokenSpan
 from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, pick
+from .tokenization import spans, vocabulary_bytes
 
 
 class VLLMBackend(OpenAICompatBackend):
@@ -24,7 +25,18 @@ class VLLMBackend(OpenAICompatBackend):
     async def capabilities(self) -> Capabilities:
         return Capabilities(runtime="vllm", version=self.version, model=self.config.model,
                             max_context=self._max_context,
-                            prefix_caching=True)  # on by default for decoder models (vllm/config/cache.py)
+                            prefix_caching=True,  # on by default for decoder models (vllm/config/cache.py)
+                            tokenize=True)
+
+    async def tokenize(self, text: str) -> list[TokenSpan]:
+        """vLLM's `/tokenize` (`vllm/entrypoints/serve/tokenize/protocol.py`): ids and, with
+        `return_token_strs`, their vocabulary strings, from which the offsets follow."""
+        body = {"model": self.config.model, "prompt": text, "add_special_tokens": False, "return_token_strs": True}
+        async with self.client.post("/tokenize", json=body) as response:
+            if response.status != 200:
+                raise self.error_for_status(response.status, await response.read())
+            answer = await response.json(content_type=None)
+        return spans(text, answer["tokens"], [vocabulary_bytes(piece) for piece in answer["token_strs"]])
 
     async def load(self) -> Load:
         m = await self.scrape()

@@ -8,10 +8,10 @@ import json
 from advisor.bench import stub
 
 
-def replay(fixture: dict):
+def replay(fixture: dict, seen: list | None = None):
     """An ASGI app answering as the fixture says: a too-long prompt and a top_p above 1 get the
     runtime's own errors; generations stream the recorded chunks, cut where a requested stop
-    string appears (finish reason `stop`), as the runtime would."""
+    string appears (finish reason `stop`), as the runtime would. Request bodies go to `seen`."""
     routes = fixture["routes"]
 
     async def app(scope, receive, send):
@@ -21,6 +21,8 @@ def replay(fixture: dict):
         key, request = f"{scope['method']} {scope['path']}", {}
         if scope["method"] == "POST":
             request = json.loads(body or b"{}")
+            if seen is not None:
+                seen.append(request)
             text = json.dumps(request.get("prompt") or request.get("messages") or request.get("text"))
             if len(text) > 10_000:
                 key = "context_too_long"

@@ -52,12 +52,13 @@ def test_the_adapter_speaks_the_runtimes_protocol(runtime):
                 await generated(backend, prompt="hello " * 5000, max_tokens=6)
             with pytest.raises(InvalidRequest):
                 await generated(backend, prompt="hi", top_p=1.5, temperature=1.0, max_tokens=6)
+            tokens = await backend.tokenize("Hello world") if name == "vllm" else []
             return (text, finish, chat, chat_finish, await backend.health(), await backend.load(),
-                    await backend.capabilities())
+                    await backend.capabilities(), tokens)
         finally:
             await backend.close()
 
-    text, finish, chat, chat_finish, health, load, caps = asyncio.run(scenario())
+    text, finish, chat, chat_finish, health, load, caps, tokens = asyncio.run(scenario())
     assert text and chat and health == Health.READY
     assert finish.usage.completion_tokens >= 1 and chat_finish.usage.prompt_tokens >= 1
     assert caps.runtime == name and caps.max_context > 0
@@ -67,6 +68,7 @@ def test_the_adapter_speaks_the_runtimes_protocol(runtime):
     assert (finish.usage.prompt_tokens, finish.usage.completion_tokens) == (7, 6)
     assert caps.version == fixture["version"]
     if name == "vllm":
+        assert [(t.id, t.text, t.start, t.stop) for t in tokens] == [(9906, "Hello", 0, 5), (1917, " world", 5, 11)]
         assert (load.running, load.waiting, load.kv_usage) == (3, 2, 0.25) and load.prefix_hit_rate == 0.4
         assert load.details["preemptions_total"] == 7 and caps.max_context == 4096
     else:
@@ -98,3 +100,33 @@ def test_sglang_native_generate_streams_cumulative_text_as_deltas():
     assert texts == [" red", ",", " yellow", " and", " blue", "."]  # pieces, not the growing text
     finish = events[-1]
     assert finish.finish_reasons == ("length",) and finish.usage == Usage(7, 6, 3)
+
+
+def test_llama_server_build_slots_tokens_and_prompt_cache():
+    """llama-server (C++), replayed from its README's formats: version from /props, load from /slots
+    when /metrics is off, token pieces (bytes where not UTF-8) as offsets, cache_prompt asked."""
+    from backends.llamacpp import LlamaCppServerBackend, llama_server_config
+
+    (path,) = FIXTURES.glob("llama-server-*.json")
+    fixture, seen = json.loads(path.read_text()), []
+
+    async def scenario(url):
+        backend = LlamaCppServerBackend(llama_server_config(url, fixture["model"]))
+        await backend.start()
+        try:
+            text, finish = await generated(backend, prompt="The primary colors are", max_tokens=2)
+            return text, finish, await backend.capabilities(), await backend.load(), await backend.tokenize(
+                "Hello worldá")
+        finally:
+            await backend.close()
+
+    with serve_app(replay(fixture, seen)) as url:
+        text, finish, caps, load, tokens = asyncio.run(scenario(url))
+    assert text == " red," and finish.usage == Usage(7, 2, 5)
+    completion = next(body for body in seen if "prompt" in body)
+    assert completion["cache_prompt"] is True and completion["prompt"] == "The primary colors are"
+    assert next(body for body in seen if "content" in body)["with_pieces"] is True
+    assert (caps.version, caps.max_context, caps.prefix_caching) == ("b6500-00dc8057", 4096, True)
+    assert (load.running, load.details["slots"]) == (2, 4)
+    assert [(t.text, t.start, t.stop) for t in tokens] == [("Hello", 0, 5), (" world", 5, 11), ("á", 11, 12),
+                                                           ("á", 11, 12)]
