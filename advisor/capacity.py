@@ -14,7 +14,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
+# Bytes per KV element. llama.cpp's block types carry their scales: q8_0 is 34 bytes per 32
+# elements, q4_0 18, q4_1 20, q5_0 22, q5_1 24, iq4_nl 18 (ggml's block sizes); nvfp4 stores an
+# fp8 scale per 16 values.
+KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1, "int8": 1,
+                  "int4": 0.5, "fp4": 0.5625, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32, "q5_0": 22 / 32,
+                  "q5_1": 24 / 32, "iq4_nl": 18 / 32}
 
 
 class MissingArchitectureField(ValueError):
@@ -127,3 +132,140 @@ def safetensors_weights(directory) -> Weights:
     if not params:
         raise FileNotFoundError(f"{directory}: no *.safetensors weights")
     return Weights(params, size, by_format)
+
+
+# -- weights by format ------------------------------------------------------------------------
+# Bits per weight with the format's scales: AWQ/GPTQ store an fp16 scale and zero per group of
+# 128 (4 + 32/128), MXFP4 an 8-bit scale per 32 values, NVFP4 an fp8 scale per 16.
+WEIGHT_BITS = {"fp32": 32.0, "bf16": 16.0, "fp16": 16.0, "fp8": 8.0, "int8_w8a8": 8.0, "int8": 8.0, "awq": 4.25,
+               "gptq": 4.25, "mxfp4": 4.25, "nvfp4": 4.5, "bitsandbytes": 4.5, "exl2": 4.5}
+# llama.cpp's quantization mixes keep some tensors at higher precision, so their effective bits
+# follow from the sizes `llama-quantize` lists for Llama-3-8B (8.03e9 weights; GiB) in
+# tools/quantize/quantize.cpp (QUANT_OPTIONS).
+_GGUF_GIB_AT_LLAMA3_8B = {"Q3_K_S": 3.41, "Q3_K_M": 3.74, "Q3_K_L": 4.03, "Q4_0": 4.34, "Q4_K_S": 4.37,
+                          "Q4_K_M": 4.58, "Q5_0": 5.21, "Q5_K_S": 5.21, "Q5_K_M": 5.33, "Q6_K": 6.14, "Q8_0": 7.96}
+GGUF_BITS = {name: gib * 2**30 * 8 / 8.03e9 for name, gib in _GGUF_GIB_AT_LLAMA3_8B.items()}
+
+
+def bits_per_weight(fmt: str) -> float:
+    """Effective bits per weight of a format: a checkpoint dtype, a quantization method, or a
+    GGUF type (a llama.cpp mix such as Q4_K_M, or a pure ggml type such as Q4_1)."""
+    if fmt.lower() in WEIGHT_BITS:
+        return WEIGHT_BITS[fmt.lower()]
+    if fmt.upper() in GGUF_BITS:
+        return GGUF_BITS[fmt.upper()]
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[fmt.upper()]]
+    except KeyError:
+        known = sorted({*WEIGHT_BITS, *GGUF_BITS})
+        raise ValueError(f"unknown weight format {fmt!r} (known: {', '.join(known)}, or any ggml type)") from None
+    return block_bytes * 8 / block
+
+
+def estimate_params(cfg: dict, source: str = "config") -> tuple[float, float]:
+    """(total, active) parameters of a decoder from its config: embeddings (and an untied head),
+    attention, a gated MLP (3 matrices) or its experts, norms. MLA models are left to their
+    published counts: their projections are too varied to rebuild from a few fields."""
+    cfg = cfg.get("text_config", cfg)
+    if cfg.get("kv_lora_rank") is not None:
+        raise MissingArchitectureField(f"{source}: an MLA model's parameter count is not derived from its config; "
+                                       "use a catalogue entry or the weight files")
+
+    def need(*names: str):
+        for name in names:
+            if cfg.get(name) is not None:
+                return cfg[name]
+        raise MissingArchitectureField(f"{source}: field {' or '.join(map(repr, names))} is missing")
+
+    arch = Architecture.from_config(cfg, source)
+    hidden, vocab, heads = need("hidden_size"), need("vocab_size"), need("num_attention_heads")
+    attention = hidden * arch.head_dim * (2 * heads + 2 * arch.kv_heads)
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
+    if experts:
+        per_expert = 3 * hidden * need("moe_intermediate_size", "intermediate_size")
+        used = need("num_experts_per_tok")
+        mlp_total, mlp_active = experts * per_expert + hidden * experts, used * per_expert + hidden * experts
+    else:
+        mlp_total = mlp_active = 3 * hidden * need("intermediate_size")
+    embeddings = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
+    norms = arch.layers * 2 * hidden + hidden
+    return (embeddings + norms + arch.layers * (attention + mlp_total),
+            embeddings + norms + arch.layers * (attention + mlp_active))
+
+
+# -- memory -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per device (one GPU of a tensor-parallel group, or the machine)."""
+    capacity: float  # bytes
+    weights: float
+    reserved: float  # activations, CUDA graphs, communication buffers, the OS share
+    kv_budget: float
+    kv_bytes_per_token: float
+    context: int
+
+    @property
+    def kv_tokens(self) -> int:
+        return max(0, int(self.kv_budget // self.kv_bytes_per_token))
+
+    @property
+    def max_sequences(self) -> int:
+        return self.kv_tokens // self.context
+
+    @property
+    def fits(self) -> bool:
+        return self.max_sequences >= 1
+
+
+def memory_plan(capacity: float, weights: float, kv_per_token: float, context: int, fraction_of: str,
+                fraction: float | None, reserved: float) -> MemoryPlan:
+    """The KV budget under a runtime's memory semantics (sources in the matrices' `memory`):
+    `total`: vLLM's --gpu-memory-utilization and SGLang's --mem-fraction-static take a share of the
+    device, from which weights and activations come; `free`: TensorRT-LLM's and LMDeploy's KV
+    fraction is a share of what the weights left free; `none`: llama.cpp, Ollama and the built-in
+    engine size the KV cache by context, so all of the usable memory may hold it."""
+    if fraction_of == "total":
+        budget = capacity * fraction - weights - reserved
+    elif fraction_of == "free":
+        budget = (capacity - weights - reserved) * fraction
+    else:
+        budget = capacity - weights - reserved
+    return MemoryPlan(capacity, weights, reserved, max(0.0, budget), kv_per_token, context)
+
+
+# -- roofline ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Derates:
+    """Shares of the datasheet peaks a real kernel reaches: bandwidth 0.8 (AIConfigurator's
+    mem_bw_empirical_scaling_factor), prefill compute 0.45 and decode compute 0.30
+    (llm-optimizer's mfu_prefill / mfu_decode). Assumptions, not facts: override them."""
+    bandwidth: float = 0.8
+    prefill_compute: float = 0.45
+    decode_compute: float = 0.30
+
+
+@dataclass(frozen=True)
+class Roofline:
+    bandwidth: float  # bytes/s across the devices
+    flops: float | None  # FLOP/s across the devices; None when no figure is known
+    derates: Derates = Derates()
+
+    def decode_step(self, active_weight_bytes: float, kv_bytes_read: float, active_params: float,
+                    batch: int) -> float:
+        """Seconds per decode step of `batch` sequences: reading the weights once and each
+        sequence's KV (bandwidth-bound), or the batch's matmuls (compute-bound), whichever is slower."""
+        memory = (active_weight_bytes + kv_bytes_read) / (self.bandwidth * self.derates.bandwidth)
+        compute = 2 * active_params * batch / (self.flops * self.derates.decode_compute) if self.flops else 0.0
+        return max(memory, compute)
+
+    def prefill(self, active_params: float, tokens: int, layers: int, attention_dim: int,
+                active_weight_bytes: float) -> float | None:
+        """Seconds to prefill `tokens` (compute-bound: 2 FLOPs per active weight per token, plus
+        causal attention), never less than reading the weights once; None without a FLOPS figure."""
+        if not self.flops:
+            return None
+        flops = 2 * active_params * tokens + 2 * layers * tokens * tokens * attention_dim
+        return max(flops / (self.flops * self.derates.prefill_compute),
+                   active_weight_bytes / (self.bandwidth * self.derates.bandwidth))

@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from advisor.bench.cli import bench
+from advisor.cli import advise_command
 
 app = typer.Typer(help="servegate: LLM gateway, runtime advisor and TGI migration.", no_args_is_help=True)
 db_app = typer.Typer(help="The gateway's database.", no_args_is_help=True)
@@ -369,3 +370,4 @@ def usage(
 
 # `servegate bench` lives in the advisor: it is the advisor's measuring instrument too.
 app.command(name="bench")(bench)
+app.command(name="advise")(advise_command)

@@ -25,8 +25,9 @@ def test_tensor_parallel_and_dtype():
     assert kv_bytes_per_token(llama, tp=16) == 327_680 / 8  # 8 KV heads cannot split 16 ways: one each
     mla = Architecture.from_config(DEEPSEEK_V3)
     assert kv_bytes_per_token(mla, tp=8) == 70_272  # the latent is not sharded
-    with pytest.raises(ValueError, match="unknown KV dtype 'fp4'"):
-        kv_bytes_per_token(llama, "fp4")
+    assert kv_bytes_per_token(llama, "q8_0") == 327_680 / 2 * 34 / 32  # llama.cpp's block carries its scale
+    with pytest.raises(ValueError, match="unknown KV dtype 'fp3'"):
+        kv_bytes_per_token(llama, "fp3")
 
 
 def test_sliding_window_layers_are_capped():

@@ -1,0 +1,397 @@
+"""`servegate advise`: exclude the runtimes the model, hardware and requirements rule out (rules
+over the support matrices), then compare the rest by estimated SLO goodput (capacity model and
+roofline), and say what to measure next.
+
+Ranking: excluded candidates last; the others by the sum of their soft scores, plus up to 3 points
+for estimated goodput relative to the best candidate, plus 0.1 per verified production feature
+(the tie-breaker when estimates agree). Estimates are a starting point: `--measure`
+replaces them with `servegate bench` figures."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from dataclasses import asdict, dataclass, field
+
+from policies.matrix import Cell, Matrix, matrices
+from policies.rules import RULES, RuleSet
+
+from .capacity import (
+    GGUF_BITS,
+    KV_DTYPE_BYTES,
+    Derates,
+    Roofline,
+    bits_per_weight,
+    kv_bytes_per_token,
+    memory_plan,
+)
+from .hardware import Hardware
+from .models import ModelSpec
+
+GIB = 2**30
+# Requested KV dtypes -> the matrices' keys.
+KV_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "nvfp4": "fp4", "fp4_e2m1": "fp4", "f16": "auto",
+              "fp16": "auto", "bf16": "auto", "auto": "auto"}
+# Weight formats -> the matrices' keys (any GGUF type is `gguf`).
+WEIGHT_KEYS = {"fp32": "bf16", "fp16": "bf16", "bf16": "bf16", "fp8": "fp8", "awq": "awq", "gptq": "gptq",
+               "int8": "int8_w8a8", "int8_w8a8": "int8_w8a8", "bitsandbytes": "bitsandbytes", "nvfp4": "nvfp4",
+               "mxfp4": "mxfp4", "exl2": "exl2", "gguf": "gguf"}
+VERDICT_ORDER = {"recommended": 0, "viable": 1, "excluded": 2}
+
+
+class ImpossibleRequest(ValueError):
+    """Constraints that no input could satisfy (e.g. a prefix reuse above 1)."""
+
+
+@dataclass
+class Workload:
+    kind: str = "chat"  # chat | agent | batch | rag
+    prompt_tokens: int = 1024
+    output_tokens: int = 256
+    prefix_reuse: float = 0.0  # share of each prompt already seen in an earlier one
+    concurrency: int = 16
+    request_rate: float | None = None  # requests/s; turned into a concurrency by Little's law
+    slo_ttft_ms: float = 2000.0
+    slo_tpot_ms: float = 50.0
+    kv_cache_dtype: str | None = None
+    weight_quant: str | None = None
+    new_deployment: bool = True
+    existing_tgi: bool = False
+    offline: bool = False
+    expert_parallel: bool | None = None  # None: required for wide MoE models across 8+ devices
+
+    def check(self) -> None:
+        problems = [message for bad, message in (
+            (not 0.0 <= self.prefix_reuse < 1.0, f"--prefix-reuse {self.prefix_reuse} must lie in [0, 1)"),
+            (self.prompt_tokens < 1, "--prompt-tokens must be at least 1"),
+            (self.output_tokens < 1, "--output-tokens must be at least 1"),
+            (self.concurrency < 1, "--concurrency must be at least 1"),
+            (self.request_rate is not None and self.request_rate <= 0, "--request-rate must be positive"),
+            (self.slo_ttft_ms <= 0 or self.slo_tpot_ms <= 0, "SLOs must be positive"),
+            (self.kind not in ("chat", "agent", "batch", "rag"),
+             f"--workload {self.kind!r}: chat, agent, batch or rag"),
+        ) if bad]
+        if self.kv_cache_dtype and self.kv_cache_dtype.lower() not in {*KV_DTYPE_BYTES, *KV_ALIASES}:
+            problems.append(f"--kv-cache-dtype {self.kv_cache_dtype!r}: one of {', '.join(sorted(KV_DTYPE_BYTES))}")
+        if self.weight_quant:
+            try:
+                bits_per_weight(self.weight_quant)
+            except ValueError as exc:
+                problems.append(f"--weight-quant: {exc}")
+        if problems:
+            raise ImpossibleRequest("; ".join(problems))
+
+
+@dataclass
+class Candidate:
+    runtime: str
+    name: str
+    version: str
+    verdict: str = "viable"
+    score: float = 0.0
+    reasons: list[dict] = field(default_factory=list)
+    memory: dict = field(default_factory=dict)
+    estimates: dict = field(default_factory=dict)
+    launch: dict = field(default_factory=dict)
+    measured: dict | None = None
+
+
+@dataclass
+class Report:
+    model: dict
+    hardware: dict
+    workload: dict
+    assumptions: dict
+    candidates: list[Candidate]
+    summary: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def advise(model: ModelSpec, hardware: Hardware, gpus: int, workload: Workload, derates: Derates | None = None,
+           runtimes: list[str] | None = None) -> Report:
+    workload.check()
+    derates = derates or Derates()
+    if gpus < 1:
+        raise ImpossibleRequest("--gpus must be at least 1")
+    if not hardware.gpu and gpus > 1:
+        raise ImpossibleRequest(f"{hardware.id} is one machine: --gpus applies to accelerators only")
+    rules = RuleSet.load(RULES / "advisor.yaml")
+    chosen = matrices()
+    unknown = set(runtimes or ()) - set(chosen)
+    if unknown:
+        raise ImpossibleRequest(f"unknown runtimes {sorted(unknown)}: choose from {', '.join(chosen)}")
+    if workload.expert_parallel is None:  # wide MoE across a node: the guides serve it with expert parallelism
+        workload.expert_parallel = model.moe and model.params_total > 200e9 and gpus >= 8
+    candidates = [_candidate(m, model, hardware, gpus, workload, derates, rules)
+                  for runtime, m in chosen.items() if not runtimes or runtime in runtimes]
+    _rank(candidates)
+    summary = _summary(candidates)
+    if not any(c.verdict != "excluded" for c in candidates) and any(
+            r["rule"] == "does-not-fit" for c in candidates for r in c.reasons):
+        summary += " " + _what_would_fit(chosen["vllm"], model, hardware, gpus, workload)
+    return Report(model=_model_facts(model), hardware=asdict(hardware) | {"gpus": gpus},
+                  workload=asdict(workload), assumptions=asdict(derates) | _memory_assumptions(hardware),
+                  candidates=candidates, summary=summary)
+
+
+def _what_would_fit(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: Workload) -> str:
+    """The nearest change that fits: more devices of this kind, or fewer bits per weight."""
+    fmt = (workload.weight_quant or model.checkpoint_format).lower()
+    if hw.gpu:
+        for more in (2, 4, 8, 16, 32, 64):
+            if more > gpus and _memory(m, model, hw, more, workload, fmt, m.memory.kv_dtype).fits:
+                return f"It fits from {more} x {hw.id} (or on devices with more memory, e.g. h200 or b200)."
+    for smaller in ("fp8", "Q4_K_M"):
+        if bits_per_weight(smaller) < bits_per_weight(fmt) and _memory(
+                m, model, hw, gpus, workload, smaller, m.memory.kv_dtype).fits:
+            return f"With {smaller} weights (--weight-quant {smaller}) it would fit on this hardware."
+    return "Nothing nearby fits: choose larger hardware."
+
+
+def _candidate(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: Workload, derates: Derates,
+               rules: RuleSet) -> Candidate:
+    kv_key, kv_cell = _kv_cell(m, workload, hw)
+    weight_format = (workload.weight_quant or model.checkpoint_format).lower()
+    weight_cell = _weight_cell(m, weight_format, hw)
+    plan = _memory(m, model, hw, gpus, workload, weight_format, kv_key)
+    context = {
+        "runtime": {
+            "id": m.runtime, "name": m.name, "maintained": m.maintained.status == "yes",
+            "nvidia_only": all(c.status == "no" for f, c in m.hardware.items() if not f.startswith("nvidia")),
+            "hardware": m.hardware[hw.family].status, "hardware_note": m.hardware[hw.family].note,
+            "architecture": m.architectures[model.architecture].status if model.architecture in m.architectures
+            else "unverified",
+            "kv_cache": kv_cell.status if kv_cell else "-", "kv_cache_note": kv_cell.note if kv_cell else "",
+            "kv_requires": list(kv_cell.requires) if kv_cell else [],
+            "weight_quant": weight_cell.status, "weight_quant_note": weight_cell.note,
+            "moe": m.moe["support"].status, "expert_parallel": m.moe["expert_parallel"].status,
+            "prefix_caching": m.features["prefix_caching"].status,
+            "prefix_caching_default": bool(m.features["prefix_caching"].default),
+            "continuous_batching": m.features["continuous_batching"].status,
+            "tensor_parallel": m.features["tensor_parallel"].status,
+        },
+        "model": {"id": model.id, "architecture": model.architecture or "unknown", "moe": model.moe,
+                  "params_b": model.params_total / 1e9},
+        "hardware": {"id": hw.id, "family": hw.family, "vendor": hw.vendor, "gpus": gpus},
+        "workload": {**asdict(workload), "kv_cache_dtype": workload.kv_cache_dtype or "-",
+                     "weight_quant": WEIGHT_KEYS.get(weight_format, "gguf") if workload.weight_quant else "-",
+                     "request_rate": workload.request_rate or 0.0},
+        "memory": {"fits": plan.fits, "max_sequences": plan.max_sequences,
+                   "weights_gib": round(plan.weights / GIB, 1), "capacity_gib": round(plan.capacity / GIB, 1)},
+    }
+    candidate = Candidate(m.runtime, m.name, m.version)
+    cells = {"kv_cache": kv_cell, "weight_quant": weight_cell, "hardware": m.hardware[hw.family],
+             "architectures": m.architectures.get(model.architecture)}
+    for fired in rules.evaluate(context):
+        rule = fired.rule
+        cell = cells.get(rule.cite) if rule.cite in cells else _cell_at(m, rule.cite)
+        path = _cell_path(m, rule.cite, cell)
+        candidate.reasons.append({"rule": rule.id, "kind": rule.kind, "reason": fired.reason, "score": rule.score,
+                                  "cell": _describe(m, cell) | {"path": path} if cell else None})
+        candidate.score += rule.score
+        if rule.kind == "exclude":
+            candidate.verdict = "excluded"
+    candidate.memory = {
+        "capacity_gib": plan.capacity / GIB, "weights_gib": plan.weights / GIB, "reserved_gib": plan.reserved / GIB,
+        "kv_budget_gib": plan.kv_budget / GIB, "kv_bytes_per_token": plan.kv_bytes_per_token * gpus,
+        "kv_bytes_per_token_per_device": plan.kv_bytes_per_token, "kv_tokens": plan.kv_tokens,
+        "max_sequences": plan.max_sequences, "context": plan.context, "weight_format": weight_format,
+        "kv_dtype": kv_key, "fraction_of": m.memory.fraction_of, "fraction": m.memory.default_fraction,
+        "fraction_status": m.memory.status,
+        "features": sum(c.status == "yes" for k, c in m.features.items() if k != "needs_engine_build"),
+    }
+    if candidate.verdict != "excluded":
+        candidate.estimates = _estimates(m, model, hw, gpus, workload, derates, plan, weight_format)
+        candidate.launch = _launch(m, model, gpus, workload, kv_cell, plan)
+    return candidate
+
+
+def _kv_cell(m: Matrix, workload: Workload, hw: Hardware) -> tuple[str, Cell | None]:
+    """The KV dtype asked for and the matrix's cell for it on this hardware (None: the default)."""
+    asked = (workload.kv_cache_dtype or "auto").lower()
+    key = KV_ALIASES.get(asked, asked)
+    if key == "auto":
+        return m.memory.kv_dtype, None
+    cell = m.kv_cache.get(key)
+    if cell is None:
+        return key, Cell(status="no", source=m.memory.source, checked=m.memory.checked,
+                         note=f"not among its KV cache types ({', '.join(m.kv_cache) or 'none'})")
+    if not cell.holds_on(hw.family):
+        return key, cell.model_copy(update={"status": "no", "note": f"only on {', '.join(cell.hardware)}: {cell.note}"})
+    return key, cell
+
+
+def _weight_cell(m: Matrix, fmt: str, hw: Hardware) -> Cell:
+    key = WEIGHT_KEYS.get(fmt, "gguf" if fmt.upper() in GGUF_BITS or fmt.upper().startswith(("Q", "IQ")) else fmt)
+    cell = m.weight_quant.get(key)
+    if cell is None:
+        return Cell(status="no", source=m.memory.source, checked=m.memory.checked, note=f"{fmt} is not in its list")
+    if not cell.holds_on(hw.family):
+        return cell.model_copy(update={"status": "no", "note": f"only on {', '.join(cell.hardware)}: {cell.note}"})
+    return cell
+
+
+def _memory(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: Workload, fmt: str, kv_key: str):
+    capacity = hw.memory_gib * GIB
+    held = m.memory.compute_dtype or fmt
+    exact = model.weights_bytes if model.weights_bytes and held == model.checkpoint_format.lower() else None
+    weights = (exact or model.params_total * bits_per_weight(held) / 8) / gpus
+    if hw.gpu:  # AIConfigurator's system files: 3.5 GB "other" plus NCCL buffers with tensor parallelism
+        reserved = 3.5e9 + (0.4e9 if gpus > 1 else 0)
+    else:  # tools.metakraftlabs.com: 0.8 GB plus 5% of the weights
+        reserved = 0.8e9 + 0.05 * weights
+    if m.memory.fraction_of == "none":
+        capacity_used, fraction = capacity * hw.usable_share, None
+    else:
+        capacity_used, fraction = capacity, m.memory.default_fraction
+    context = workload.prompt_tokens + workload.output_tokens
+    per_token = kv_bytes_per_token(model.arch, kv_key if kv_key in KV_DTYPE_BYTES else "bf16", tp=gpus,
+                                   context=context)
+    plan = memory_plan(capacity_used, weights, per_token, context, m.memory.fraction_of, fraction, reserved)
+    return plan
+
+
+def _estimates(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: Workload, derates: Derates, plan,
+               fmt: str) -> dict:
+    held = m.memory.compute_dtype or fmt
+    fp8 = held == "fp8" and hw.fp8_tflops
+    tflops = hw.fp8_tflops if fp8 else hw.bf16_tflops
+    # Tensor parallelism reads every device's share at once; a layer split (llama.cpp's -sm layer)
+    # passes each token through the devices one after another, at one device's speed.
+    parallel = gpus if m.features["tensor_parallel"].status == "yes" else 1
+    roof = Roofline(hw.bandwidth_gbs * 1e9 * parallel, tflops * 1e12 * parallel if tflops else None, derates)
+    active_bytes = model.params_active * bits_per_weight(held) / 8
+    caches = m.features["prefix_caching"].status == "yes"
+    prompt = max(1, round(workload.prompt_tokens * (1 - workload.prefix_reuse))) if caches else workload.prompt_tokens
+    ttft = roof.prefill(model.params_active, prompt, model.arch.layers, model.attention_dim, active_bytes)
+    mean_context = workload.prompt_tokens + workload.output_tokens / 2
+    kv_total = plan.kv_bytes_per_token * gpus
+
+    def tpot(batch: int) -> float:
+        return roof.decode_step(active_bytes, batch * mean_context * kv_total, model.params_active, batch)
+
+    concurrency = workload.concurrency
+    if workload.request_rate:  # Little's law: requests in flight = rate x time each spends
+        for _ in range(20):
+            e2e = (ttft or 0) + workload.output_tokens * tpot(max(1, concurrency))
+            concurrency = max(1, round(workload.request_rate * e2e))
+    batch = max(1, min(concurrency, plan.max_sequences))
+    slo_batch = _largest(lambda b: tpot(b) * 1000 <= workload.slo_tpot_ms, plan.max_sequences)
+    meets_ttft = ttft is not None and ttft * 1000 <= workload.slo_ttft_ms
+    goodput = None if ttft is None else 0.0  # unknown without a FLOPS figure for the prefill
+    if slo_batch and meets_ttft:
+        goodput = slo_batch / (ttft + workload.output_tokens * tpot(slo_batch))
+    return {
+        "ttft_ms": ttft * 1000 if ttft is not None else None, "tpot_ms": tpot(batch) * 1000,
+        "batch": batch, "queued": max(0, concurrency - plan.max_sequences),
+        "decode_tokens_per_s_single": 1 / tpot(1), "throughput_tokens_per_s": batch / tpot(batch),
+        "max_batch_within_tpot_slo": slo_batch, "goodput_requests_per_s": goodput,
+        "meets_slo": None if ttft is None else bool(meets_ttft and tpot(batch) * 1000 <= workload.slo_tpot_ms),
+        "prefilled_prompt_tokens": prompt, "flops_known": tflops is not None,
+    }
+
+
+def _largest(ok, limit: int) -> int:
+    """The largest b in [1, limit] with ok(b), for ok true up to some point; 0 if none."""
+    low, high = 0, limit
+    while low < high:
+        mid = (low + high + 1) // 2
+        if ok(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def _launch(m: Matrix, model: ModelSpec, gpus: int, workload: Workload, kv_cell: Cell | None, plan) -> dict:
+    """Ready commands: `servegate launch` and the runtime's own line (built by backends.launch,
+    the one flag-translation table), or the matrix's template; and the gateway backend entry."""
+    from backends.launch import LaunchError, LaunchSpec, command
+
+    context = workload.prompt_tokens + workload.output_tokens
+    slots = max(1, min(workload.concurrency, plan.max_sequences))
+    kv = (workload.kv_cache_dtype or "").lower() or None
+    out: dict = {}
+    if m.launch.servegate:
+        spec = LaunchSpec(runtime=m.launch.servegate, model=model.id, port=8001, context_length=context,
+                          tensor_parallel=gpus, kv_cache_dtype=kv if kv and kv_cell else None,
+                          max_running_requests=slots)
+        try:
+            argv, env = command(spec)
+        except LaunchError as exc:
+            out["note"] = str(exc)
+        else:
+            argv = ["python", *argv[1:]] if argv[0] == sys.executable else argv  # not this machine's interpreter
+            out["runtime_command"] = " ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(argv)])
+            flags = [f"--model {shlex.quote(model.id)}", f"--context-length {context}", f"--tp {gpus}",
+                     f"--max-running-requests {slots}"] + ([f"--kv-cache-dtype {kv}"] if kv and kv_cell else [])
+            out["servegate_command"] = f"servegate launch {m.launch.servegate} " + " ".join(flags)
+    else:
+        text = m.launch.command.format(model=model.id, tp=gpus, context=context, slots=slots,
+                                       kv=kv_cell.flag if kv_cell and kv_cell.flag else "")
+        out["runtime_command"] = " ".join(text.split())
+    if m.runtime in ("llama-cpp", "ollama") and not model.id.endswith(".gguf"):
+        out["note"] = "llama.cpp serves GGUF files: convert the checkpoint (convert_hf_to_gguf.py) or pass a .gguf"
+    kind = {"llama-cpp": "llama-server", "tensorrt-llm": "trtllm"}.get(m.runtime, m.runtime)
+    out["gateway_backend"] = ({"name": "local", "kind": "builtin"} if m.runtime == "builtin" else
+                              {"name": m.runtime, "kind": kind, "url": "http://127.0.0.1:8001", "model": model.id})
+    return out
+
+
+def _rank(candidates: list[Candidate]) -> None:
+    def goodput(c: Candidate) -> float:
+        return c.estimates.get("goodput_requests_per_s") or 0.0
+
+    best = max(map(goodput, candidates), default=0.0) or 1.0
+    for c in candidates:
+        if c.verdict != "excluded":
+            c.score += 3 * goodput(c) / best + 0.1 * c.memory["features"]
+    candidates.sort(key=lambda c: (VERDICT_ORDER[c.verdict], -c.score, c.runtime))
+    if candidates and candidates[0].verdict == "viable":
+        candidates[0].verdict = "recommended"
+
+
+def _summary(candidates: list[Candidate]) -> str:
+    viable = [c for c in candidates if c.verdict != "excluded"]
+    if not viable:
+        return "no runtime fits: " + "; ".join(
+            f"{c.name}: {next(r['reason'] for r in c.reasons if r['kind'] == 'exclude')}" for c in candidates)
+    top = viable[0]
+    return (f"{top.name} is recommended; {len(viable) - 1} other runtime(s) viable, "
+            f"{len(candidates) - len(viable)} excluded. Confirm with `servegate advise ... --measure`.")
+
+
+def _cell_at(m: Matrix, path: str | None) -> Cell | None:
+    if not path:
+        return None
+    node: object = m
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, dict) else getattr(node, part, None)
+    return node if isinstance(node, Cell) else None
+
+
+def _cell_path(m: Matrix, cite: str | None, cell: Cell | None) -> str | None:
+    """e.g. kv_cache.q8_0 for a rule citing the kv_cache section."""
+    if cite is None or cell is None or "." in cite or cite in ("maintained", "license", "memory"):
+        return cite
+    return next((f"{cite}.{key}" for key, c in getattr(m, cite).items() if c is cell), cite)
+
+
+def _describe(m: Matrix, cell: Cell) -> dict:
+    return {"status": cell.status, "note": cell.note, "source": m.sources[cell.source].ref if cell.source in m.sources
+            else cell.source, "checked": cell.checked}
+
+
+def _model_facts(model: ModelSpec) -> dict:
+    return {"id": model.id, "architecture": model.architecture, "params_total": model.params_total,
+            "params_active": model.params_active, "moe": model.moe, "max_context": model.max_context,
+            "checkpoint_format": model.checkpoint_format, "kv_layout": "MLA" if model.arch.mla else "GQA/MHA",
+            "source": model.source}
+
+
+def _memory_assumptions(hw: Hardware) -> dict:
+    return {"reserved": "3.5 GB other (+0.4 GB NCCL with tensor parallelism) per GPU, after AIConfigurator"
+                        if hw.gpu else "0.8 GB + 5% of the weights, after tools.metakraftlabs.com",
+            "usable_share_without_fraction": hw.usable_share}

@@ -1,0 +1,151 @@
+"""`servegate advise`: a runtime selection report for a model, hardware and workload."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .advise import ImpossibleRequest, Report, Workload, advise
+from .capacity import Derates, MissingArchitectureField
+from .hardware import UnknownHardware, catalogue
+from .hardware import resolve as resolve_hardware
+from .models import UnknownModel
+from .models import resolve as resolve_model
+from .report import to_html, to_json, to_markdown
+
+console = Console(stderr=True)
+
+
+def advise_command(
+    model: Annotated[str | None, typer.Option(help="Catalogue id (e.g. meta-llama/Llama-3.1-70B-Instruct), or a local "
+                                                   "config.json, model directory or .gguf file.")] = None,
+    hardware: Annotated[str, typer.Option(help="Catalogue id (h100-sxm, h200, a100-80gb, l4, mi300x, m3-max, "
+                                               "cpu-x86, ...) or `local` to measure this machine.")] = "local",
+    gpus: Annotated[int, typer.Option(help="Devices, split by tensor parallelism.")] = 1,
+    workload: Annotated[str, typer.Option(help="chat | agent | batch | rag")] = "chat",
+    prompt_tokens: Annotated[int, typer.Option()] = 1024,
+    output_tokens: Annotated[int, typer.Option()] = 256,
+    trace: Annotated[Path | None, typer.Option(help="JSONL trace or bench dataset: prompt and output sizes are "
+                                                    "taken from its mean (input_length/prompt_tokens, "
+                                                    "output_length/max_tokens).")] = None,
+    prefix_reuse: Annotated[float, typer.Option(help="Share of each prompt seen before (0-1).")] = 0.0,
+    concurrency: Annotated[int, typer.Option(help="Requests in flight.")] = 16,
+    request_rate: Annotated[float | None, typer.Option(help="Requests/s instead of a concurrency.")] = None,
+    slo_ttft_ms: Annotated[float, typer.Option()] = 2000.0,
+    slo_tpot_ms: Annotated[float, typer.Option()] = 50.0,
+    kv_cache_dtype: Annotated[str | None, typer.Option(help="fp8_e4m3, fp8_e5m2, int8, q8_0, q4_0, ...")] = None,
+    weight_quant: Annotated[str | None, typer.Option(help="bf16, fp8, awq, gptq, mxfp4, nvfp4, or a GGUF type "
+                                                          "(Q4_K_M, Q8_0, ...).")] = None,
+    new_deployment: Annotated[bool, typer.Option("--new-deployment/--existing-tgi",
+                                                 help="A new deployment, or an existing TGI fleet.")] = True,
+    offline: Annotated[bool, typer.Option(help="An edge or offline box.")] = False,
+    expert_parallel: Annotated[bool | None, typer.Option("--expert-parallel/--no-expert-parallel",
+                                                         help="Require expert parallelism (default: for wide MoE "
+                                                              "models across 8+ devices).")] = None,
+    runtimes: Annotated[str | None, typer.Option(help="Only these runtimes, comma-separated.")] = None,
+    derate_bandwidth: Annotated[float, typer.Option(help="Share of peak bandwidth reached.")] = Derates.bandwidth,
+    derate_prefill: Annotated[float, typer.Option(help="Share of peak FLOPS in prefill.")] = Derates.prefill_compute,
+    derate_decode: Annotated[float, typer.Option(help="Share of peak FLOPS in decode.")] = Derates.decode_compute,
+    measure: Annotated[list[str] | None, typer.Option(
+        help="RUNTIME=URL[@MODEL] of a running candidate: benchmark it with `servegate bench` on this workload; "
+             "repeatable.")] = None,
+    num_prompts: Annotated[int, typer.Option(help="Requests per --measure run.")] = 64,
+    output_format: Annotated[str, typer.Option("--format", help="md | html | json")] = "md",
+    output: Annotated[Path | None, typer.Option(help="Write the report here (default: stdout).")] = None,
+    list_hardware: Annotated[bool, typer.Option("--list-hardware", help="List the hardware catalogue.")] = False,
+) -> None:
+    """Recommend a serving runtime: exclude what the support matrices rule out, rank the rest by
+    estimated SLO goodput, and give the commands to start and measure them."""
+    if list_hardware:
+        _list_hardware()
+        return
+    if output_format not in ("md", "html", "json"):
+        raise typer.BadParameter(f"{output_format!r}: md, html or json", param_hint="--format")
+    if model is None:
+        raise typer.BadParameter("a model is required (a catalogue id or a local path)", param_hint="--model")
+    if trace is not None:
+        prompt_tokens, output_tokens = _trace_sizes(trace)
+    try:
+        spec = resolve_model(model)
+        device = resolve_hardware(hardware)
+        load = Workload(kind=workload, prompt_tokens=prompt_tokens, output_tokens=output_tokens,
+                        prefix_reuse=prefix_reuse, concurrency=concurrency, request_rate=request_rate,
+                        slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, kv_cache_dtype=kv_cache_dtype,
+                        weight_quant=weight_quant, new_deployment=new_deployment,
+                        existing_tgi=not new_deployment, offline=offline, expert_parallel=expert_parallel)
+        report = advise(spec, device, gpus, load, Derates(derate_bandwidth, derate_prefill, derate_decode),
+                        runtimes.split(",") if runtimes else None)
+    except (UnknownModel, UnknownHardware, MissingArchitectureField, ImpossibleRequest, FileNotFoundError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    for entry in measure or ():
+        _measure(report, entry, load, num_prompts)
+    text = {"md": to_markdown, "html": to_html, "json": to_json}[output_format](report)
+    if output:
+        output.write_text(text)
+        console.print(f"{report.summary}\nreport written to {output}")
+    else:
+        typer.echo(text)
+
+
+def _list_hardware() -> None:
+    table = Table("id", "device", "family", "memory GiB", "GB/s", "BF16 TFLOPS", "FP8 TFLOPS")
+    for h in catalogue().values():
+        table.add_row(h.id, h.name, h.family, f"{h.memory_gib:g}", f"{h.bandwidth_gbs:g}",
+                      f"{h.bf16_tflops:g}" if h.bf16_tflops else "-", f"{h.fp8_tflops:g}" if h.fp8_tflops else "-")
+    table.add_row("local", "this machine, measured when asked", "cpu-x86 / cpu-arm", "", "", "", "")
+    Console().print(table)
+
+
+def _trace_sizes(path: Path) -> tuple[int, int]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise typer.BadParameter(f"{path} holds no requests", param_hint="--trace")
+    try:
+        prompts = [int(r.get("input_length", r.get("prompt_tokens"))) for r in rows]
+        outputs = [int(r.get("output_length", r.get("max_tokens"))) for r in rows]
+    except (TypeError, ValueError):
+        raise typer.BadParameter(f"{path}: every line needs input_length (or prompt_tokens) and output_length "
+                                 "(or max_tokens)", param_hint="--trace") from None
+    return round(sum(prompts) / len(prompts)), round(sum(outputs) / len(outputs))
+
+
+def _measure(report: Report, entry: str, load: Workload, num_prompts: int) -> None:
+    """Benchmark one running candidate with `servegate bench`'s machinery on this workload (fixed
+    concurrency, the report's SLO) and put the figures beside the estimate."""
+    import asyncio
+    import math
+
+    from .bench.cli import build_dataset, load_tokenizer, make_target, run_once
+
+    runtime, _, url = entry.partition("=")
+    url, _, served = url.partition("@")
+    candidate = next((c for c in report.candidates if c.runtime == runtime), None)
+    if candidate is None or not url:
+        raise typer.BadParameter(f"{entry!r}: RUNTIME=URL[@MODEL] with RUNTIME one of "
+                                 f"{', '.join(c.runtime for c in report.candidates)}", param_hint="--measure")
+    opts = {"random_input_len": load.prompt_tokens, "random_output_len": load.output_tokens,
+            "random_range_ratio": 0.0}
+    conversations = build_dataset("random", load_tokenizer(None), num_prompts, 0, opts)
+    slo = {"ttft": load.slo_ttft_ms, "tpot": load.slo_tpot_ms}
+
+    async def run() -> dict:
+        target = make_target(url, "openai", None, served or None, None)
+        await target.prepare()
+        try:
+            return await run_once(target, conversations, math.inf, 1.0, 0, load.concurrency, 1, slo, False)
+        finally:
+            await target.close()
+
+    figures = asyncio.run(run())
+    estimate = candidate.estimates.get("goodput_requests_per_s")
+    measured = figures.get("request_goodput") or 0.0
+    candidate.measured = {key: figures.get(key) for key in (
+        "request_goodput", "request_throughput", "output_throughput", "median_ttft_ms", "median_tpot_ms",
+        "completed", "failed")}
+    candidate.measured["off_by"] = (estimate - measured) / measured if estimate is not None and measured else None

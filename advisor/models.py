@@ -1,0 +1,143 @@
+"""What the advisor knows of a model: from the catalogue (policies/catalog/models.yaml), a local
+Hugging Face config.json or model directory, or a GGUF file (its metadata and tensors)."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import yaml
+
+from .capacity import Architecture, MissingArchitectureField, estimate_params, gguf_weights, safetensors_weights
+
+CATALOG = Path(__file__).resolve().parent.parent / "policies" / "catalog" / "models.yaml"
+
+# config.json `model_type` and GGUF `general.architecture` -> the key the support matrices use.
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
+                 "qwen3moe": "qwen3_moe", "mistral": "mistral", "mixtral": "mixtral", "gemma2": "gemma2",
+                 "gemma3": "gemma3",
+                 "gemma3_text": "gemma3", "phi3": "phi3", "deepseek_v3": "deepseek_v3", "deepseek2": "deepseek_v3",
+                 "gpt_oss": "gpt_oss", "gpt-oss": "gpt_oss", "llama4": "llama4", "llama4_text": "llama4"}
+_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+_FILE_DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F8_E4M3": "fp8", "F8_E5M2": "fp8", "I8": "int8"}
+
+
+class UnknownModel(ValueError):
+    """Neither a catalogue id nor a readable local path; the message names the nearest ids."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    id: str
+    architecture: str  # the matrices' key ("" when the family is unknown to them)
+    arch: Architecture
+    params_total: float
+    params_active: float
+    max_context: int
+    attention_dim: int  # query heads x head dim, for prefill attention FLOPs
+    checkpoint_format: str  # bf16, fp8, mxfp4, or a GGUF type
+    weights_bytes: float | None = None  # exact, when read from the weight files
+    source: str = ""
+
+    @property
+    def moe(self) -> bool:
+        return self.params_active < self.params_total * 0.9
+
+
+@cache
+def catalogue() -> dict:
+    return yaml.safe_load(CATALOG.read_text())
+
+
+def resolve(model: str) -> ModelSpec:
+    entries = catalogue()["models"]
+    if model in entries:
+        entry = entries[model]
+        return _from_config(model, entry["config"], source=catalogue()["sources"][entry["source"]]["ref"],
+                            total=entry["params_total"], active=entry.get("params_active"),
+                            checkpoint=entry.get("checkpoint_format"))
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return _from_gguf(path)
+    if path.name == "config.json" and path.is_file():
+        return _from_config(str(path.parent), json.loads(path.read_text()), source=str(path))
+    if path.is_dir() and (path / "config.json").is_file():
+        cfg = json.loads((path / "config.json").read_text())
+        exact = safetensors_weights(path) if any(path.glob("*.safetensors")) else None
+        return _from_config(str(path), cfg, source=str(path / "config.json"), exact=exact)
+    near = difflib.get_close_matches(model, list(entries), n=3, cutoff=0.4)
+    raise UnknownModel(f"model {model!r} is neither in the catalogue nor a local config.json, model directory or "
+                       f".gguf file" + (f"; did you mean {', '.join(near)}?" if near else
+                                        f"; catalogue: {', '.join(entries)}"))
+
+
+def _from_config(name: str, cfg: dict, source: str, total: float | None = None, active: float | None = None,
+                 checkpoint: str | None = None, exact=None) -> ModelSpec:
+    text = cfg.get("text_config", cfg)
+    arch = Architecture.from_config(text, source)
+    if exact is not None:
+        total = exact.params
+    if total is None:
+        total, active = estimate_params(text, source)
+    if active is None:  # dense: all of them; experts: the config's routed share
+        active = total
+        if _experts(text):
+            estimated_total, estimated_active = estimate_params(text, source)
+            active = total * estimated_active / estimated_total
+    context = text.get("max_position_embeddings")
+    if not context:
+        raise MissingArchitectureField(f"{source}: field 'max_position_embeddings' is missing")
+    heads = text.get("num_attention_heads") or 0
+    if arch.mla:
+        query_dim = text.get("qk_nope_head_dim", 0) + arch.qk_rope_head_dim
+    else:
+        query_dim = arch.head_dim
+    if exact is not None:
+        checkpoint = _FILE_DTYPES.get(max(exact.params_by_format, key=exact.params_by_format.get))
+    fmt = checkpoint or _DTYPES.get(str(text.get("torch_dtype") or cfg.get("torch_dtype") or "bfloat16"), "bf16")
+    return ModelSpec(name, ARCHITECTURES.get(text.get("model_type", ""), ""), arch, float(total), float(active),
+                     int(context), heads * query_dim, fmt, exact.bytes if exact else None, source)
+
+
+def _experts(cfg: dict) -> int:
+    return cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
+
+
+def _from_gguf(path: Path) -> ModelSpec:
+    """A GGUF's architecture from its metadata (`<arch>.block_count`, `.attention.head_count`...)
+    and its exact weights from its tensors."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+
+    def field(key: str):
+        item = reader.fields.get(key)
+        return None if item is None else item.contents()
+
+    family = field("general.architecture")
+    if family is None:
+        raise MissingArchitectureField(f"{path}: no general.architecture in its metadata")
+    cfg = {"model_type": family, "num_hidden_layers": field(f"{family}.block_count"),
+           "hidden_size": field(f"{family}.embedding_length"),
+           "num_attention_heads": field(f"{family}.attention.head_count"),
+           "num_key_value_heads": field(f"{family}.attention.head_count_kv"),
+           "head_dim": field(f"{family}.attention.key_length"),
+           "max_position_embeddings": field(f"{family}.context_length"),
+           "kv_lora_rank": field(f"{family}.attention.kv_lora_rank"),
+           "sliding_window": field(f"{family}.attention.sliding_window")}
+    if cfg["kv_lora_rank"] is not None:
+        cfg["qk_rope_head_dim"] = field(f"{family}.rope.dimension_count")
+    weights = gguf_weights(path)
+    experts, used = field(f"{family}.expert_count"), field(f"{family}.expert_used_count")
+    active = weights.params if not experts else None
+    if active is None:  # the routed share of the expert tensors
+        expert = sum(t.n_elements for t in reader.tensors if "_exps" in t.name)
+        active = weights.params - expert + expert * used / experts
+    main = max(weights.params_by_format, key=weights.params_by_format.get)
+    spec = _from_config(str(path), {k: v for k, v in cfg.items() if v is not None}, source=str(path),
+                        total=weights.params, active=active, checkpoint=main)
+    return ModelSpec(**{**spec.__dict__, "architecture": ARCHITECTURES.get(family, ""),
+                        "weights_bytes": float(weights.bytes)})
