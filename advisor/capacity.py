@@ -152,6 +152,8 @@ def bits_per_weight(fmt: str) -> float:
     GGUF type (a llama.cpp mix such as Q4_K_M, or a pure ggml type such as Q4_1)."""
     if fmt.lower() in WEIGHT_BITS:
         return WEIGHT_BITS[fmt.lower()]
+    if fmt.lower() == "gguf":  # no type named: llama.cpp's most used mix
+        return GGUF_BITS["Q4_K_M"]
     if fmt.upper() in GGUF_BITS:
         return GGUF_BITS[fmt.upper()]
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType

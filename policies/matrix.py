@@ -52,6 +52,8 @@ class Cell(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _one_line(cls, data):
+        if isinstance(data, bool):  # YAML read a bare yes / no: the source is missing
+            data = "yes" if data else "no"
         if isinstance(data, str):
             match = _ONE_LINE.fullmatch(data.strip())
             if not match:

@@ -1,0 +1,275 @@
+"""`servegate advise`: support matrices, rules, capacity model and the report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from advisor.advise import ImpossibleRequest, Workload, advise
+from advisor.capacity import MissingArchitectureField, estimate_params
+from advisor.hardware import UnknownHardware
+from advisor.hardware import resolve as hardware
+from advisor.models import UnknownModel, catalogue, resolve
+from advisor.report import to_html, to_json, to_markdown
+from gateway.cli import app
+from policies.matrix import MATRICES, HARDWARE_FAMILIES, load_matrix, matrices
+from policies.rules import RULES, RuleError, RuleSet
+
+RUNTIMES = {"vllm", "sglang", "tgi", "llama-cpp", "tensorrt-llm", "ollama", "lmdeploy", "builtin"}
+
+
+# -- support matrices -------------------------------------------------------------------------
+def test_every_runtime_has_a_matrix_and_every_cell_a_status_source_and_date():
+    loaded = matrices()
+    assert set(loaded) == RUNTIMES
+    for m in loaded.values():
+        assert set(m.hardware) == set(HARDWARE_FAMILIES)
+        for path, cell in m.cells():
+            assert cell.status in ("yes", "no", "partial", "unverified"), path
+            source = m.sources[cell.source]  # resolves, or loading would have failed
+            assert source.ref and cell.checked, f"{m.runtime} {path}"
+
+
+def _matrix_with(tmp_path, old: str, new: str):
+    text = (MATRICES / "vllm.yaml").read_text()
+    assert old in text
+    path = tmp_path / "vllm.yaml"
+    path.write_text(text.replace(old, new))
+    return path
+
+
+def test_a_cell_without_a_source_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="a one-line cell reads"):
+        load_matrix(_matrix_with(tmp_path, "nvidia-turing: yes V1", "nvidia-turing: yes"))
+    with pytest.raises(ValueError, match="source"):
+        load_matrix(_matrix_with(tmp_path, "{status: yes, source: V10, hardware: [nvidia-volta",
+                                 "{status: yes, hardware: [nvidia-volta"))
+    with pytest.raises(ValueError, match="source 'V99' is not among this file's sources"):
+        load_matrix(_matrix_with(tmp_path, "nvidia-turing: yes V1", "nvidia-turing: yes V99"))
+
+
+def test_a_matrix_must_answer_for_every_hardware_family(tmp_path):
+    with pytest.raises(ValueError, match="missing: \\['nvidia-turing'\\]"):
+        load_matrix(_matrix_with(tmp_path, "  nvidia-turing: yes V1\n", ""))
+    with pytest.raises(ValueError, match="matches no family"):
+        load_matrix(_matrix_with(tmp_path, "hardware: [intel-gaudi]", "hardware: [intel-gpu]"))
+
+
+# -- catalogues and the capacity model ----------------------------------------------------------
+def test_kv_bytes_per_token_of_catalogue_models_are_exact():
+    from advisor.capacity import kv_bytes_per_token
+
+    def kv(model: str) -> float:
+        return kv_bytes_per_token(resolve(model).arch)
+
+    assert kv("meta-llama/Llama-3.1-70B-Instruct") == 327_680
+    assert kv("Qwen/Qwen3-32B") == 262_144  # its head_dim 128, not 5120 / 64
+    assert kv("deepseek-ai/DeepSeek-V3") == 70_272  # MLA latent + rope key, not the 128 KV heads
+
+
+def test_parameters_derived_from_configs_match_the_published_counts():
+    for model, entry in catalogue()["models"].items():
+        if entry["config"].get("kv_lora_rank"):
+            continue  # MLA: left to the published count
+        total, active = estimate_params(entry["config"], model)
+        assert abs(total - entry["params_total"]) / entry["params_total"] < 0.01, model
+        if "params_active" in entry and model != "openai/gpt-oss-120b":
+            assert abs(active - entry["params_active"]) / entry["params_active"] < 0.02, model
+
+
+def test_weights_estimate_within_2_percent_of_real_files(default_model_dir):
+    """The default GGUF (read from its tensor types) and a safetensors model (estimated from its
+    config alone) against the bytes on disk."""
+    from backends.builtin.loader import default_model_path
+
+    gguf = default_model_path()
+    spec = resolve(str(gguf))
+    assert spec.architecture == "llama" and spec.checkpoint_format == "Q4_1"
+    assert abs(spec.weights_bytes - gguf.stat().st_size) / gguf.stat().st_size < 0.02
+    config = json.loads((default_model_dir / "config.json").read_text())
+    total, _ = estimate_params(config)
+    on_disk = sum(f.stat().st_size for f in default_model_dir.glob("*.safetensors"))
+    assert abs(total * 4 - on_disk) / on_disk < 0.02  # float32 on disk
+
+
+def test_a_config_missing_a_field_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64,
+                                                      "num_attention_heads": 4, "vocab_size": 10}))
+    with pytest.raises(MissingArchitectureField, match="'num_hidden_layers'"):
+        resolve(str(tmp_path / "config.json"))
+    result = CliRunner().invoke(app, ["advise", "--model", str(tmp_path), "--hardware", "l4"])
+    assert result.exit_code == 2 and "num_hidden_layers" in result.output
+
+
+def test_unknown_model_and_hardware_name_the_nearest_choices():
+    with pytest.raises(UnknownModel, match="did you mean meta-llama/Llama-3.1-70B-Instruct"):
+        resolve("meta-llama/Llama-3.1-70B")
+    with pytest.raises(UnknownHardware, match="did you mean .*h100-sxm"):
+        hardware("h100")
+    result = CliRunner().invoke(app, ["advise", "--model", "Qwen/Qwen3-32B", "--hardware", "a100"])
+    assert result.exit_code == 2 and "a100-80gb" in result.output
+
+
+# -- rules ------------------------------------------------------------------------------------
+def _rules(tmp_path, when: str, fields: dict | None = None, **extra):
+    path = tmp_path / "rules.yaml"
+    rule = {"id": "r", "kind": "warn", "when": when, "reason": "because", **extra}
+    path.write_text(yaml.safe_dump({"fields": fields or {"a.n": "int", "a.s": "string", "a.x": "double"},
+                                    "rules": [rule]}))
+    return RuleSet.load(path)
+
+
+@pytest.mark.parametrize(("when", "message"), [
+    ("a.n > ", "Syntax error"),
+    ("a.missing == 1", "unknown field 'a.missing'"),
+    ("b.n == 1", "unknown field 'b.n'"),
+    ("a.s > 1", "type error"),  # a string against a number
+    ("a.x + 1 > 2.0", "type error"),  # CEL does not add double and int: 1.0 is meant
+    ("a.s + 'x'", "must be a boolean"),
+])
+def test_invalid_rules_are_refused_at_load_naming_the_rule(tmp_path, when, message):
+    with pytest.raises(RuleError, match=f"rule 'r'.*{message}"):
+        _rules(tmp_path, when)
+
+
+def test_rules_file_shape_is_checked(tmp_path):
+    with pytest.raises(RuleError, match="kind"):
+        _rules(tmp_path, "a.n > 1", kind="maybe")
+    with pytest.raises(RuleError, match="unknown field 'a.nope'"):
+        _rules(tmp_path, "a.n > 1", reason="{a.nope}")
+    ok = _rules(tmp_path, 'a.n > 1 && a.s.startsWith("h") && [1, 2].exists(v, v == a.n)', reason="n={a.n}")
+    assert [f.reason for f in ok.evaluate({"a": {"n": 2, "s": "hi", "x": 0.0}})] == ["n=2"]
+    assert ok.evaluate({"a": {"n": 3, "s": "hi", "x": 0.0}}) == []
+
+
+SCENARIOS = [  # (model, hardware, gpus, workload): each shipped rule fires in at least one
+    ("meta-llama/Llama-3.1-8B-Instruct", "m3-max", 1, Workload(concurrency=1, offline=True)),
+    ("meta-llama/Llama-3.1-8B-Instruct", "l4", 1, Workload(kind="agent", prefix_reuse=0.6, concurrency=8,
+                                                            kv_cache_dtype="q4_1")),
+    ("deepseek-ai/DeepSeek-V3", "h100-sxm", 8, Workload(kv_cache_dtype="fp8")),
+    ("deepseek-ai/DeepSeek-V3", "h200", 8, Workload(kv_cache_dtype="fp8", weight_quant="gguf")),
+    ("meta-llama/Llama-3.1-70B-Instruct", "mi300x", 1, Workload(kv_cache_dtype="fp8_e5m2", prefix_reuse=0.4)),
+    ("meta-llama/Llama-3.1-70B-Instruct", "a100-80gb", 4, Workload(new_deployment=False, existing_tgi=True)),
+    ("meta-llama/Llama-3.2-1B-Instruct", "cpu-x86", 1, Workload(prompt_tokens=256, output_tokens=64,
+                                                                 concurrency=2, offline=True)),
+    ("Qwen/Qwen3-32B", "h100-sxm", 2, Workload(weight_quant="exl2")),
+    ("mistralai/Mixtral-8x7B-Instruct-v0.1", "a100-80gb", 2, Workload()),
+    ("meta-llama/Llama-3.1-8B-Instruct", "rpi5", 1, Workload()),
+    ("meta-llama/Llama-3.2-1B-Instruct", "t4", 1, Workload(new_deployment=False, existing_tgi=True)),
+]
+
+
+@pytest.fixture(scope="module")
+def scenario_reports():
+    return [advise(resolve(m), hardware(h), g, w) for m, h, g, w in SCENARIOS]
+
+
+def test_every_shipped_rule_fires_somewhere(scenario_reports):
+    fired = {r["rule"] for report in scenario_reports for c in report.candidates for r in c.reasons}
+    shipped = {rule.id for rule in RuleSet.load(RULES / "advisor.yaml").rules}
+    assert shipped - fired == set()
+
+
+def test_myths_are_contradicted_with_the_matrix_cell_source(scenario_reports):
+    def notes(report, runtime):
+        c = next(c for c in report.candidates if c.runtime == runtime)
+        return {r["rule"]: r for r in c.reasons if r["kind"] == "note"}
+
+    l4 = scenario_reports[1]
+    vllm = notes(l4, "vllm")["myth-vllm-no-prefix-reuse"]
+    assert vllm["cell"]["status"] == "yes" and "vllm/config/cache.py" in vllm["cell"]["source"]
+    batch = notes(l4, "llama-cpp")["myth-llama-cpp-cannot-batch"]
+    assert "tools/server/README.md" in batch["cell"]["source"] and batch["cell"]["path"] == \
+        "features.continuous_batching"
+    trt = notes(l4, "tensorrt-llm")["myth-tensorrt-llm-engine-build"]
+    assert trt["cell"]["status"] == "no" and "quantization.md" in trt["cell"]["source"]
+    tgi = notes(l4, "tgi")["myth-tgi-default"]
+    assert "Maintenance mode" in tgi["cell"]["source"]
+    assert next(c for c in l4.candidates if c.runtime == "tgi").verdict == "excluded"  # new deployment
+
+
+def test_no_runtime_fits_says_so_with_reasons_and_the_nearest_fix(scenario_reports):
+    report = scenario_reports[2]  # DeepSeek-V3 (671B, FP8) on 8 x H100 80 GB
+    assert all(c.verdict == "excluded" for c in report.candidates)
+    assert report.summary.startswith("no runtime fits") and "It fits from 16 x h100-sxm" in report.summary
+    vllm = next(c for c in report.candidates if c.runtime == "vllm")
+    assert [r["rule"] for r in vllm.reasons if r["kind"] == "exclude"] == ["does-not-fit"]
+    h200 = scenario_reports[3]
+    assert h200.candidates[0].verdict == "recommended"
+
+
+def test_impossible_constraints_are_named():
+    with pytest.raises(ImpossibleRequest, match="--prefix-reuse 1.5 must lie in"):
+        advise(resolve("Qwen/Qwen3-32B"), hardware("h100-sxm"), 1, Workload(prefix_reuse=1.5))
+    with pytest.raises(ImpossibleRequest, match="--kv-cache-dtype 'fp3'"):
+        advise(resolve("Qwen/Qwen3-32B"), hardware("h100-sxm"), 1, Workload(kv_cache_dtype="fp3"))
+    with pytest.raises(ImpossibleRequest, match="one machine"):
+        advise(resolve("Qwen/Qwen3-32B"), hardware("m3-max"), 2, Workload())
+
+
+def test_hardware_and_kv_restrictions_exclude_with_their_reasons(scenario_reports):
+    mi300x = {c.runtime: c for c in scenario_reports[4].candidates}
+    assert mi300x["tensorrt-llm"].verdict == "excluded"  # NVIDIA only
+    assert any(r["rule"] == "kv-dtype-unsupported" and "amd" in r["reason"] or "rejected on ROCm" in r["reason"]
+               for r in mi300x["vllm"].reasons)  # fp8_e5m2 KV is CUDA-only
+    assert any(r["rule"] == "rocm-fp8-kv-e4m3" for r in mi300x["sglang"].reasons)
+
+
+# -- the report -------------------------------------------------------------------------------
+def test_json_report_has_the_documented_schema():
+    result = CliRunner().invoke(app, ["advise", "--model", "meta-llama/Llama-3.1-70B-Instruct", "--hardware",
+                                      "h100-sxm", "--gpus", "4", "--prefix-reuse", "0.5", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["schema_version"] == 1 and {"model", "hardware", "workload", "assumptions", "candidates",
+                                            "summary"} <= set(data)
+    candidates = data["candidates"]
+    assert {c["runtime"] for c in candidates} == RUNTIMES
+    verdicts = [c["verdict"] for c in candidates]
+    assert verdicts[0] == "recommended" and verdicts == sorted(verdicts, key=["recommended", "viable",
+                                                                              "excluded"].index)
+    for c in candidates:
+        assert {"runtime", "verdict", "reasons", "memory", "estimates"} <= set(c)
+        bf16 = c["runtime"] != "builtin"  # the built-in engine keeps its KV cache in float32
+        assert c["memory"]["kv_bytes_per_token"] == pytest.approx(327_680 if bf16 else 655_360)
+    top = candidates[0]
+    assert top["estimates"]["ttft_ms"] > 0 and top["launch"]["runtime_command"]
+    assert top["launch"]["gateway_backend"]["kind"] == top["runtime"]
+
+
+def test_markdown_report_shows_rules_and_commands():
+    report = advise(resolve("meta-llama/Llama-3.1-8B-Instruct"), hardware("h100-sxm"), 1, Workload(prefix_reuse=0.5))
+    text = to_markdown(report)
+    assert "| rank | runtime | verdict |" in text and "`prefix-reuse-cached`" in text
+    assert "servegate launch vllm --model meta-llama/Llama-3.1-8B-Instruct" in text
+    assert "vllm serve meta-llama/Llama-3.1-8B-Instruct" in text and '"kind": "vllm"' in text
+    assert json.loads(to_json(report))["summary"] == report.summary
+
+
+def test_list_hardware():
+    result = CliRunner().invoke(app, ["advise", "--list-hardware"])
+    assert result.exit_code == 0 and "h100-sxm" in result.stdout and "mi300x" in result.stdout
+
+
+def test_html_report_renders_with_its_charts_in_headless_chromium(tmp_path, scenario_reports):
+    import shutil
+    import subprocess
+
+    from PIL import Image
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("Chromium is not installed (.ci/run installs Debian's chromium)")
+    page = tmp_path / "report.html"
+    page.write_text(to_html(scenario_reports[1]))
+    shot = tmp_path / "shot.png"
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                    "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1000,1400",
+                    f"--screenshot={shot}", page.as_uri()], check=True, capture_output=True, timeout=120)
+    image = Image.open(shot).convert("RGB")
+    colours = {image.getpixel((x, y)) for x in range(0, image.width, 4) for y in range(0, image.height, 4)}
+    assert (0x6E, 0x40, 0xC9) in colours  # the weights bars of the memory chart
+    assert (0x1A, 0x7F, 0x37) in colours  # KV budget bars / the recommended candidate's goodput bar
