@@ -40,7 +40,7 @@ def main() -> None:
     estimates = {c.runtime: c.estimates["decode_tokens_per_s_single"] for c in report.candidates}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
-        subprocess.run([sys.executable, "-m", "gateway.cli", "bench", "--compare", ",".join(PEERS.values()),
+        subprocess.run([sys.executable, "-c", "from gateway.cli import app; app()", "bench", "--compare", ",".join(PEERS.values()),
                         "--max-concurrency", "1", "--random-input-len", str(args.prompt), "--random-output-len",
                         str(args.output), "--num-prompts", str(args.num_prompts), "--output", str(out)], check=True)
         measured = {runtime: 1000 / json.loads(out.read_text())["compare"][peer]["median_tpot_ms"]
