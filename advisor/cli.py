@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -48,6 +49,9 @@ def advise_command(
                                                          help="Require expert parallelism (default: for wide MoE "
                                                               "models across 8+ devices).")] = None,
     runtimes: Annotated[str | None, typer.Option(help="Only these runtimes, comma-separated.")] = None,
+    tflops: Annotated[float | None, typer.Option(help="Dense TFLOPS per device, where the catalogue has none "
+                                                      "(Apple GPUs) or to correct it.")] = None,
+    bandwidth_gbs: Annotated[float | None, typer.Option(help="Memory bandwidth per device, GB/s.")] = None,
     derate_bandwidth: Annotated[float, typer.Option(help="Share of peak bandwidth reached.")] = Derates.bandwidth,
     derate_prefill: Annotated[float, typer.Option(help="Share of peak FLOPS in prefill.")] = Derates.prefill_compute,
     derate_decode: Annotated[float, typer.Option(help="Share of peak FLOPS in decode.")] = Derates.decode_compute,
@@ -73,6 +77,8 @@ def advise_command(
     try:
         spec = resolve_model(model)
         device = resolve_hardware(hardware)
+        device = replace(device, bf16_tflops=tflops or device.bf16_tflops,
+                         bandwidth_gbs=bandwidth_gbs or device.bandwidth_gbs)
         load = Workload(kind=workload, prompt_tokens=prompt_tokens, output_tokens=output_tokens,
                         prefix_reuse=prefix_reuse, concurrency=concurrency, request_rate=request_rate,
                         slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, kv_cache_dtype=kv_cache_dtype,

@@ -66,20 +66,20 @@ def resolve(hardware: str) -> Hardware:
 
 @cache
 def local() -> Hardware:
-    """This machine's CPU: memory from the OS, bandwidth from a large tensor copy and FLOPS from a
-    float32 matmul, both across the threads PyTorch uses, best of a few runs."""
+    """This machine's CPU: memory from the OS; bandwidth as decode sees it, from a matrix-vector
+    product over a 256 MiB float32 matrix (far beyond the caches); FLOPS from a float32 matmul;
+    both across the threads PyTorch uses, best of a few runs."""
     import torch
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    source = torch.empty(64 * 2**20, dtype=torch.float32)  # 256 MiB: far beyond the caches
-    target = torch.empty_like(source)
-    copy = _best(lambda: target.copy_(source))
+    weights, vector = torch.randn(8192, 8192), torch.randn(8192)
+    matvec = _best(lambda: torch.mv(weights, vector))
     a = torch.randn(1024, 1024)
     matmul = _best(lambda: torch.mm(a, a))
     family = "cpu-arm" if platform.machine().lower() in ("arm64", "aarch64") else "cpu-x86"
     return Hardware(id="local", name=f"this machine ({os.cpu_count()} CPUs, measured)", vendor="cpu", family=family,
-                    memory_gib=memory / 2**30, bandwidth_gbs=2 * source.nbytes / copy / 1e9,
-                    bf16_tflops=2 * 1024**3 / matmul / 1e12, source="measured: tensor copy and float32 matmul")
+                    memory_gib=memory / 2**30, bandwidth_gbs=weights.nbytes / matvec / 1e9,
+                    bf16_tflops=2 * 1024**3 / matmul / 1e12, source="measured: float32 matrix-vector and matmul")
 
 
 def _best(work, runs: int = 5) -> float:

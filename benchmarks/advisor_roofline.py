@@ -32,7 +32,7 @@ def main() -> None:
     args = parser.parse_args()
 
     hardware = local()
-    print(f"local: {hardware.bandwidth_gbs:.1f} GB/s copy bandwidth, {hardware.bf16_tflops * 1000:.0f} GFLOPS "
+    print(f"local: {hardware.bandwidth_gbs:.1f} GB/s matrix-vector bandwidth, {hardware.bf16_tflops * 1000:.0f} GFLOPS "
           "float32 matmul", flush=True)
     report = advise(resolve(str(default_model_path())), hardware, 1,
                     Workload(prompt_tokens=args.prompt, output_tokens=args.output, concurrency=1),
@@ -40,9 +40,10 @@ def main() -> None:
     estimates = {c.runtime: c.estimates["decode_tokens_per_s_single"] for c in report.candidates}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
-        subprocess.run([sys.executable, "-c", "from gateway.cli import app; app()", "bench", "--compare", ",".join(PEERS.values()),
-                        "--max-concurrency", "1", "--random-input-len", str(args.prompt), "--random-output-len",
-                        str(args.output), "--num-prompts", str(args.num_prompts), "--output", str(out)], check=True)
+        bench = [sys.executable, "-c", "from gateway.cli import app; app()", "bench"]
+        subprocess.run([*bench, "--compare", ",".join(PEERS.values()), "--max-concurrency", "1",
+                        "--random-input-len", str(args.prompt), "--random-output-len", str(args.output),
+                        "--num-prompts", str(args.num_prompts), "--output", str(out)], check=True)
         measured = {runtime: 1000 / json.loads(out.read_text())["compare"][peer]["median_tpot_ms"]
                     for runtime, peer in PEERS.items()}
     print("\n| runtime | estimated decode tok/s | measured decode tok/s | estimate / measured |")
