@@ -276,3 +276,26 @@ def test_html_report_renders_with_its_charts_in_headless_chromium(tmp_path, scen
     colours = {image.getpixel((x, y)) for x in range(0, image.width, 4) for y in range(0, image.height, 4)}
     assert (0x6E, 0x40, 0xC9) in colours  # the weights bars of the memory chart
     assert (0x1A, 0x7F, 0x37) in colours  # KV budget bars / the recommended candidate's goodput bar
+
+
+@pytest.mark.slow
+def test_measure_benchmarks_a_live_candidate_beside_its_estimate():
+    """--measure against a real llama-cpp-python server on the default GGUF: the report carries the
+    bench's figures next to the estimate, and how far off the estimate was."""
+    from advisor.bench.baselines import free_port, llama_cpp_command, server_process
+    from backends.builtin.loader import default_model_path
+
+    gguf = default_model_path()
+    url = f"http://127.0.0.1:{free_port()}"
+    with server_process(llama_cpp_command(gguf, int(url.rsplit(":", 1)[1])), url, "/v1/models"):
+        result = CliRunner().invoke(app, [
+            "advise", "--model", str(gguf), "--hardware", "cpu-x86", "--runtimes", "llama-cpp,builtin",
+            "--prompt-tokens", "32", "--output-tokens", "16", "--concurrency", "1", "--num-prompts", "3",
+            "--slo-ttft-ms", "10000", "--slo-tpot-ms", "1000", "--measure", f"llama-cpp={url}", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    candidates = {c["runtime"]: c for c in json.loads(result.stdout)["candidates"]}
+    measured = candidates["llama-cpp"]["measured"]
+    assert measured["completed"] == 3 and measured["failed"] == 0 and measured["median_tpot_ms"] > 0
+    estimate = candidates["llama-cpp"]["estimates"]["goodput_requests_per_s"]
+    assert measured["off_by"] == pytest.approx((estimate - measured["request_goodput"]) / measured["request_goodput"])
+    assert candidates["builtin"]["measured"] is None  # only what was measured
