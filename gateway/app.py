@@ -20,6 +20,26 @@ from .settings import Settings
 log = logging.getLogger("servegate.gateway")
 
 
+class RouteHeader:
+    """Names the routing decision of an inference response in `x-servegate-route` (a plain ASGI
+    wrapper: streamed bodies pass through untouched)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_route(message) -> None:
+            route = scope.get("state", {}).get("servegate_route")
+            if message["type"] == "http.response.start" and route:
+                message = {**message, "headers": [*message.get("headers", []), (b"x-servegate-route", route.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_route)
+
+
 def create_app(backends: dict[str, Backend], settings: Settings | None = None, db: Engine | None = None) -> FastAPI:
     """An app serving `backends` (served model id -> backend) to the tenants in the database.
     Backends start in the background, so probes answer at once and /ready turns 200 when
@@ -47,6 +67,7 @@ def create_app(backends: dict[str, Backend], settings: Settings | None = None, d
 
     app = FastAPI(title="servegate", version="0.1.0", lifespan=lifespan)
     app.state.gateway = gateway
+    app.add_middleware(RouteHeader)
     install_error_handlers(app)
     for module in (health, metrics, openai, tgi, admin):
         app.include_router(module.router)

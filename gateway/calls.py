@@ -1,9 +1,12 @@
 """One inference request's life at the gateway, the same for every API surface:
 
 limits -> quota reservation -> a backend slot (bounded queue) -> the backend stream, timed ->
-usage settled, recorded and measured. The usage record is written when the backend's final
-event arrives, before the client receives the end of the response; a request that fails or
-whose client leaves is recorded too (`error` / `cancelled`) with the tokens it produced.
+usage settled, recorded and measured. A route gives several backends in order: when one fails
+before its first event (down, overloaded, timed out), the next is tried; after the first event a
+failure reaches the client as an error, never as a silent truncation. The usage record is
+written when the backend's final event arrives, before the client receives the end of the
+response; a request that fails or whose client leaves is recorded too (`error` / `cancelled`)
+with the tokens it produced.
 """
 
 from __future__ import annotations
@@ -16,7 +19,17 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
-from backends.base import Backend, BackendError, BackendTimeout, Delta, Event, GenerateRequest, Usage
+from backends.base import (
+    BackendError,
+    BackendTimeout,
+    Delta,
+    Event,
+    GenerateRequest,
+    Overloaded,
+    Unavailable,
+    UpstreamError,
+    Usage,
+)
 from backends.timing import StreamTimer
 
 from .auth import Principal
@@ -24,28 +37,37 @@ from .errors import GatewayError
 from .generation import open_stream
 from .models import utcnow
 from .quotas import QuotaExceeded, Reservation
+from .routing import Decision
 from .service import Gateway
 
 log = logging.getLogger("servegate.requests")
 UNKNOWN_CONTEXT = 131_072  # tokens; settled back to actual use when the request ends
+# Failures of the backend itself, worth another backend; the client's own errors are not.
+RETRYABLE = (Unavailable, Overloaded, BackendTimeout, UpstreamError)
 
 
 class Call:
-    def __init__(self, gateway: Gateway, principal: Principal, model: str, backend: Backend,
-                 greq: GenerateRequest, api: str, stream: bool) -> None:
-        self.gw, self.principal, self.model, self.backend = gateway, principal, model, backend
+    def __init__(self, gateway: Gateway, principal: Principal, decision: Decision, greq: GenerateRequest, api: str,
+                 stream: bool) -> None:
+        self.gw, self.principal, self.decision = gateway, principal, decision
+        self.model, self.backend = decision.model, decision.candidates[0]
         self.greq, self.api, self.stream = greq, api, stream
         self.started, self.started_at = time.monotonic(), utcnow()
         self.prompt_tokens = 0
         self.reservation: Reservation | None = None
         self.first_token_at: float | None = None
+        self.answered = False  # a backend sent its first event
+        self.produced = 0
         self.finished = False
 
     async def open(self, request: Request) -> tuple[Event, AsyncIterator[Event]]:
-        """Reserve, then start the backend and wait for its first event (errors raise here)."""
+        """Reserve, then start the backend and wait for its first event (errors raise here). The
+        backend that answered is named in the `x-servegate-route` response header."""
         await self._reserve()
         try:
-            return await open_stream(self._events(), request)
+            opened = await open_stream(self._events(), request)
+            request.state.servegate_route = self.decision.header(self.backend)
+            return opened
         except BaseException as exc:
             if not self.finished:  # cancelled before the stream even started
                 error = exc.code if isinstance(exc, BackendError) else None
@@ -86,19 +108,47 @@ class Call:
 
     # -- the stream ---------------------------------------------------------------------
     async def _events(self) -> AsyncIterator[Event]:
-        admission, metrics = self.gw.admission[self.model], self.gw.metrics
+        """The first candidate's events; the next candidate's when one fails before answering."""
+        status, error = "cancelled", None
+        router, candidates = self.gw.router, self.decision.candidates
+        try:
+            for number, backend in enumerate(candidates, 1):
+                self.backend = backend
+                try:
+                    async for event in self._attempt(backend):
+                        yield event
+                except BackendError as exc:
+                    retryable = isinstance(exc, RETRYABLE)
+                    router.record(backend, ok=not retryable)  # a client's mistake is not the backend's
+                    if self.answered or not retryable or number == len(candidates):
+                        raise
+                    log.warning("backend %s failed before answering (%s); trying %s", backend.name, exc.code,
+                                candidates[number].name, extra={"request_id": self.greq.request_id})
+                    continue
+                router.record(backend, ok=True)
+                return
+        except BackendError as exc:
+            status, error = "error", exc.code
+            raise
+        except Exception:
+            status, error = "error", "internal"
+            raise
+        finally:
+            if not self.finished:
+                self._finish(status, Usage(self.prompt_tokens, self.produced, 0), error)
+
+    async def _attempt(self, backend) -> AsyncIterator[Event]:
+        admission, metrics = self.gw.admission[backend.name], self.gw.metrics
         in_flight, itl = metrics.in_flight.labels(self.model), metrics.itl.labels(self.model)
-        produced, status, error = 0, "cancelled", None
-        admitted = False
+        await admission.acquire()
+        in_flight.inc()
         last = 0.0
         try:
-            await admission.acquire()
-            admitted = True
-            in_flight.inc()
             metrics.overhead.observe(time.monotonic() - self.started)
-            async for event in self._timed(self.backend.generate(self.greq)):
+            async for event in self._timed(backend.generate(self.greq)):
+                self.answered = True
                 if isinstance(event, Delta):
-                    produced += len(event.token_ids)
+                    self.produced += len(event.token_ids)
                     if event.text or event.token_ids:
                         now = time.monotonic()
                         if self.first_token_at is None:
@@ -113,24 +163,17 @@ class Call:
                             event, usage=dataclasses.replace(event.usage, prompt_tokens=self.prompt_tokens))
                     self._finish("ok", event.usage)  # recorded before the client sees the end
                 yield event
-        except BackendError as exc:
-            status, error = "error", exc.code
-            raise
-        except Exception:
-            status, error = "error", "internal"
-            raise
         finally:
-            if admitted:
-                admission.release()
-                in_flight.dec()
-            if not self.finished:
-                self._finish(status, Usage(self.prompt_tokens, produced, 0), error)
+            admission.release()
+            in_flight.dec()
 
     async def _timed(self, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
-        """The backend's events, each within the idle timeout and all within the request timeout."""
+        """The backend's events, each within the idle timeout and all within the request timeout
+        (the route's `timeout_s` where it sets one)."""
         settings = self.gw.settings
         loop = asyncio.get_running_loop()
-        timer = StreamTimer(settings.idle_timeout_s, loop.time() + settings.request_timeout_s)
+        timeout = self.decision.timeout_s or settings.request_timeout_s
+        timer = StreamTimer(settings.idle_timeout_s, self.started - time.monotonic() + loop.time() + timeout)
         try:
             while True:
                 try:
@@ -139,13 +182,17 @@ class Call:
                     return
                 except TimeoutError:
                     raise BackendTimeout(f"the backend sent nothing for {settings.idle_timeout_s:g} s, or the "
-                                         f"request outlived {settings.request_timeout_s:g} s") from None
+                                         f"request outlived {timeout:g} s") from None
                 yield event
         finally:
             timer.cancel()
             await events.aclose()
 
     # -- after ------------------------------------------------------------------------------
+    def _route_label(self) -> str:
+        d = self.decision
+        return self.model if d.alias is None else f"{d.alias}@{d.version}"
+
     def _finish(self, status: str, usage: Usage, error: str | None = None) -> None:
         self.finished = True
         now = time.monotonic()
@@ -154,7 +201,8 @@ class Call:
         ttft_ms = None if self.first_token_at is None else (self.first_token_at - self.started) * 1000
         record = {
             "request_id": self.greq.request_id, "tenant": tenant, "key_prefix": self.principal.key_prefix,
-            "model": self.model, "backend": backend, "route": self.model, "api": self.api, "stream": self.stream,
+            "model": self.model, "backend": backend, "route": self._route_label(), "api": self.api,
+            "stream": self.stream,
             "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "cached_tokens": usage.cached_tokens, "ttft_ms": ttft_ms, "latency_ms": (now - self.started) * 1000,
             "status": status, "error_type": error, "started_at": self.started_at, "finished_at": utcnow(),

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+import yaml
 
 from advisor.bench.cli import bench
 from advisor.cli import advise_command
@@ -21,6 +22,9 @@ keys_app = typer.Typer(help="API keys (stored only as hashes; a new key is shown
 app.add_typer(db_app, name="db")
 app.add_typer(tenants_app, name="tenants")
 app.add_typer(keys_app, name="keys")
+routes_app = typer.Typer(help="Routes: a model alias -> versioned targets, with canary and rollback.",
+                         no_args_is_help=True)
+app.add_typer(routes_app, name="routes")
 
 
 @app.callback()
@@ -366,6 +370,92 @@ def usage(
     columns = ["started_at", "tenant", "key_prefix", "model", "status", "prompt_tokens", "completion_tokens",
                "latency_ms"]
     _print(report.records, False, columns)
+
+
+def _share(text: str) -> float:
+    """'10%' or '0.1' -> 0.1"""
+    try:
+        share = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
+    except ValueError:
+        _fail(f"--canary {text!r}: a share such as 10% or 0.1")
+    if not 0 < share < 1:
+        _fail(f"--canary {text!r}: a share strictly between 0% and 100%")
+    return share
+
+
+def _backend_names(config: Path) -> set[str]:
+    from .config import GatewayConfig
+
+    return {b.name for b in GatewayConfig.model_validate(yaml.safe_load(config.read_text()) or {}).backends}
+
+
+@routes_app.command("deploy")
+def routes_deploy(
+    alias: str,
+    file: Annotated[Path, typer.Option("--file", "-f", help="The route version, as YAML.", exists=True)],
+    canary: Annotated[str | None, typer.Option(help="Send this share of traffic to it, e.g. 10%.")] = None,
+    config: Annotated[Path | None, typer.Option(help="servegate.yaml: check the targets exist.", exists=True)] = None,
+) -> None:
+    """Deploy a new version of a route: active at once, or as a canary beside the active one."""
+    from pydantic import ValidationError
+
+    from .routes import RouteSpec, deploy
+    from .tenancy import cli_actor
+
+    try:
+        spec = RouteSpec.model_validate(yaml.safe_load(file.read_text()) or {})
+    except (ValidationError, yaml.YAMLError) as exc:
+        _fail(f"{file}: {exc}")
+    known = _backend_names(config) if config else None
+    with _session() as session:
+        out = deploy(session, cli_actor(), alias, spec, _share(canary) if canary else None, known)
+    typer.echo(f"{alias}: version {out.version} is {out.status}" + (f" with {out.share:.0%} of traffic"
+                                                                     if out.share else ""))
+
+
+@routes_app.command("promote")
+def routes_promote(alias: str) -> None:
+    """Make the canary the active version."""
+    from .routes import promote
+    from .tenancy import cli_actor
+
+    with _session() as session:
+        out = promote(session, cli_actor(), alias)
+    typer.echo(f"{alias}: version {out.version} is active")
+
+
+@routes_app.command("rollback")
+def routes_rollback(
+    alias: str,
+    to: Annotated[int | None, typer.Option(help="The version to make active (default: the one before).")] = None,
+    reason: Annotated[str, typer.Option(help="Why, for the audit log.")] = "",
+) -> None:
+    """End the canary, or return to an earlier version; replicas follow within the refresh
+    interval and requests already running finish where they are."""
+    from .routes import rollback
+    from .tenancy import cli_actor
+
+    with _session() as session:
+        out = rollback(session, cli_actor(), alias, to, reason)
+    typer.echo(f"{alias}: version {out.version} is active")
+
+
+@routes_app.command("history")
+def routes_history(alias: str, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """A route's versions, newest first, and every change made to it."""
+    from .routes import history
+
+    with _session() as session:
+        data = history(session, alias)
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    rows = [{"version": v["version"], "status": v["status"], "share": v["share"] or "",
+             "targets": ", ".join(f"{t['backend']}:{t['weight']:g}" for t in v["spec"]["targets"]),
+             "created_at": v["created_at"]} for v in data["versions"]]
+    _print(rows, False, ["version", "status", "share", "targets", "created_at"])
+    _print([{k: c[k] for k in ("at", "actor", "action", "target")} for c in data["changes"]], False,
+           ["at", "actor", "action", "target"])
 
 
 # `servegate bench` lives in the advisor: it is the advisor's measuring instrument too.

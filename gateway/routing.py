@@ -1,23 +1,185 @@
-"""Model id -> backend. The routing issue grows this into versioned routes and rules."""
+"""Which backend serves a request: a served model's own backend, or a route alias's version
+(active, or the canary by its share) and, inside it, a target. Targets are skipped while their
+circuit breaker is open; the choice is weighted, or the least loaded, or the replica that last
+served the prompt's prefix; the other targets and the fallbacks follow as retries. One seeded
+random generator makes every choice reproducible."""
 
 from __future__ import annotations
 
-from backends.base import Backend, ModelNotFound
+import hashlib
+import random
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from backends.base import Backend, Load, ModelNotFound
+
+from .routes import PrefixAware, RouteOut, RouteState
+
+
+@dataclass
+class Decision:
+    model: str  # what the client asked for
+    candidates: list[Backend]  # in the order to try them
+    alias: str | None = None
+    version: int | None = None
+    variant: str = "direct"  # direct | active | canary
+    reason: str = "served model"
+    timeout_s: float | None = None  # the route's, over the gateway's request timeout
+
+    def header(self, backend: Backend) -> str:
+        """The `x-servegate-route` value once `backend` answered."""
+        if self.alias is None:
+            return f"model={self.model}; backend={backend.name}"
+        return (f"alias={self.alias}; version={self.version}; variant={self.variant}; backend={backend.name}; "
+                f"reason={self.reason}")
+
+
+@dataclass
+class Breaker:
+    """Consecutive failures open it for `cooldown_s`; then one request at a time may probe it
+    (half-open), and a success closes it."""
+    threshold: int = 3
+    cooldown_s: float = 10.0
+    failures: int = 0
+    opened_at: float | None = None
+    probing: bool = False
+
+    def allows(self, now: float) -> bool:
+        if self.opened_at is None:
+            return True
+        if now - self.opened_at >= self.cooldown_s and not self.probing:
+            self.probing = True
+            return True
+        return False
+
+    def record(self, ok: bool, now: float) -> None:
+        self.probing = False
+        if ok:
+            self.failures, self.opened_at = 0, None
+            return
+        self.failures += 1
+        if self.failures >= self.threshold:
+            self.opened_at = now
+
+
+@dataclass
+class PrefixIndex:
+    """Chained block hash -> the backend that last served a prompt with that prefix (bounded LRU)."""
+    capacity: int = 100_000
+    owners: OrderedDict = field(default_factory=OrderedDict)
+
+    @staticmethod
+    def chain(prompt: str, spec: PrefixAware) -> list[bytes]:
+        hashes, previous = [], b""
+        for i in range(min(spec.blocks, len(prompt) // spec.block_chars)):
+            block = prompt[i * spec.block_chars:(i + 1) * spec.block_chars].encode()
+            previous = hashlib.blake2b(previous + block, digest_size=16).digest()
+            hashes.append(previous)
+        return hashes
+
+    def owner(self, hashes: list[bytes]) -> tuple[str | None, int]:
+        """The backend holding the longest known prefix, and how many blocks long it is."""
+        for depth in range(len(hashes), 0, -1):
+            if (name := self.owners.get(hashes[depth - 1])) is not None:
+                return name, depth
+        return None, 0
+
+    def remember(self, hashes: list[bytes], backend: str) -> None:
+        for h in hashes:
+            self.owners[h] = backend
+            self.owners.move_to_end(h)
+        while len(self.owners) > self.capacity:
+            self.owners.popitem(last=False)
 
 
 class ModelRouter:
-    def __init__(self, backends: dict[str, Backend]) -> None:
+    def __init__(self, backends: dict[str, Backend], seed: int | None = None) -> None:
         self.backends = backends  # served model id -> backend
+        self.by_name = {b.name: b for b in backends.values()}
+        self.routes: dict[str, RouteState] = {}
+        self.rng = random.Random(seed)
+        self.breakers: dict[str, Breaker] = {name: Breaker() for name in self.by_name}
+        self.loads: dict[str, Load] = {}  # polled from the backends
+        self.pending = lambda name: 0  # this replica's requests in flight or queued per backend
+        self.prefixes = PrefixIndex()
 
     def models(self) -> list[str]:
-        return list(self.backends)
+        return [*self.backends, *(a for a in self.routes if a not in self.backends)]
 
-    def resolve(self, model: str | None, visible: list[str]) -> tuple[str, Backend]:
-        """The backend for `model` among the `visible` ones (optional when only one is). Models
+    def set_routes(self, routes: dict[str, RouteState]) -> None:
+        """A refreshed route table; requests already running keep the backend they have."""
+        self.routes = {alias: state for alias, state in routes.items()
+                       if state.active is not None or state.canary is not None}
+
+    def resolve(self, model: str | None, visible: list[str], prompt: str = "") -> Decision:
+        """The backends for `model` among the `visible` ones (optional when only one is). Models
         the caller may not use are reported as missing, never as forbidden."""
         if not model and len(visible) == 1:
             model = visible[0]
         if model not in visible:
             raise ModelNotFound(f"The model `{model}` does not exist or you do not have access to it. "
                                 f"Available: {', '.join(visible) or 'none'}.", param="model")
-        return model, self.backends[model]
+        if model in self.routes:
+            return self._route(model, self.routes[model], prompt)
+        return Decision(model, [self.backends[model]])
+
+    # -- inside a route -----------------------------------------------------------------------
+    def _route(self, alias: str, state: RouteState, prompt: str) -> Decision:
+        version, variant = state.active, "active"
+        if state.canary is not None and (version is None or self.rng.random() < (state.canary.share or 0.0)):
+            version, variant = state.canary, "canary"
+        order, reason = self._order(version, prompt)
+        return Decision(alias, order, alias, version.version, variant, reason, version.spec.timeout_s)
+
+    def _order(self, version: RouteOut, prompt: str) -> tuple[list[Backend], str]:
+        spec, now = version.spec, time.monotonic()
+        targets = [t for t in spec.targets if t.backend in self.by_name]
+        open_ = [t for t in targets if not self.breakers[t.backend].allows(now)]
+        ready = [t for t in targets if t not in open_]
+        first, reason = None, "weighted"
+        if ready and spec.prefix_aware is not None and prompt:
+            first, reason = self._by_prefix(ready, spec.prefix_aware, prompt)
+        if first is None and ready and spec.balance == "least-loaded":
+            first = min(ready, key=lambda t: (self._waiting(t.backend), -t.weight))
+            reason = "least-loaded"
+        if first is None and ready:
+            first = self.rng.choices(ready, weights=[t.weight for t in ready])[0]
+        rest = sorted((t for t in ready if t is not first), key=lambda t: -t.weight)
+        names = ([first.backend] if first else []) + [t.backend for t in rest] + list(spec.fallbacks)
+        if not names:  # every target's breaker is open: try them anyway rather than refuse outright
+            names, reason = [t.backend for t in targets] + list(spec.fallbacks), "all targets failing"
+        elif open_:
+            reason += f"; skipped {','.join(t.backend for t in open_)} (circuit open)"
+        seen: dict[str, Backend] = {}
+        for name in names:
+            if name in self.by_name and name not in seen:
+                seen[name] = self.by_name[name]
+        return list(seen.values()), reason
+
+    def _by_prefix(self, ready, spec: PrefixAware, prompt: str):
+        hashes = PrefixIndex.chain(prompt, spec)
+        if not hashes:  # shorter than one block: nothing worth keeping together
+            return None, "weighted"
+        owner, depth = self.prefixes.owner(hashes)
+        chosen = next((t for t in ready if t.backend == owner), None)
+        least = min(self._waiting(t.backend) for t in ready)
+        if chosen is not None and self._waiting(owner) - least <= spec.max_extra_waiting:
+            reason = f"prefix ({depth} blocks cached)"
+        else:  # among the targets not overloaded (the least loaded one at least)
+            reason = "prefix owner overloaded; weighted" if chosen is not None else "new prefix; weighted"
+            fit = [t for t in ready if self._waiting(t.backend) - least <= spec.max_extra_waiting]
+            chosen = self.rng.choices(fit, weights=[t.weight for t in fit])[0]
+        self.prefixes.remember(hashes, chosen.backend)
+        return chosen, reason
+
+    def _waiting(self, backend: str) -> int:
+        """Requests ahead of a new one: the backend's own count (all replicas' traffic, as last
+        polled) or this replica's, whichever is larger."""
+        load = self.loads.get(backend)
+        return max((load.waiting + load.running) if load else 0, self.pending(backend))
+
+    # -- what the calls report back --------------------------------------------------------------
+    def record(self, backend: Backend, ok: bool) -> None:
+        breaker = self.breakers.setdefault(backend.name, Breaker())
+        breaker.record(ok, time.monotonic())

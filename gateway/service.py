@@ -15,7 +15,7 @@ from .admission import Admission
 from .auth import Directory, Principal
 from .ledger import UsageLedger
 from .quotas import MemoryQuotaStore, QuotaStore, RedisQuotaStore
-from .routing import ModelRouter
+from .routing import Decision, ModelRouter
 from .settings import Settings
 from .telemetry import GatewayMetrics
 
@@ -25,21 +25,25 @@ log = logging.getLogger("servegate.gateway")
 class Gateway:
     def __init__(self, backends: dict[str, Backend], settings: Settings, db: Engine) -> None:
         self.settings, self.db = settings, db
-        self.router = ModelRouter(backends)
+        self.router = ModelRouter(backends, settings.route_seed)
         self.directory = Directory(db, settings)
         self.quotas: QuotaStore = RedisQuotaStore(settings.redis_url) if settings.redis_url else MemoryQuotaStore()
         self.ledger = UsageLedger(db, settings.spool_dir, settings.usage_flush_s)
         self.metrics = GatewayMetrics()
-        self.admission = {
-            model: Admission(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s)
-            for model in backends
+        self.admission = {  # per backend, by name
+            name: Admission(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s)
+            for name in self.router.by_name
         }
+        self.router.pending = lambda name: self.admission[name].in_flight + self.admission[name].queued
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         await asyncio.to_thread(self.directory.load)  # the first read must succeed: no keys, no service
+        self.load_routes()
         self.spawn(self.directory.run())
         self.spawn(self.ledger.run())
+        self.spawn(self._refresh_routes())
+        self.spawn(self._poll_loads())
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -59,5 +63,35 @@ class Gateway:
     def visible_models(self, principal: Principal) -> list[str]:
         return [m for m in self.router.models() if principal.may_use(m)]
 
-    def resolve(self, principal: Principal, model: str | None) -> tuple[str, Backend]:
-        return self.router.resolve(model, self.visible_models(principal))
+    def resolve(self, principal: Principal, model: str | None, prompt: str = "") -> Decision:
+        return self.router.resolve(model, self.visible_models(principal), prompt)
+
+    # -- routes -------------------------------------------------------------------------------
+    def load_routes(self) -> None:
+        """The route table from the database; this replica serves it from now on."""
+        from sqlmodel import Session
+
+        from .routes import table
+
+        with Session(self.db) as session:
+            self.router.set_routes(table(session))
+
+    async def _refresh_routes(self) -> None:
+        """Deploys, promotions and rollbacks reach every replica within the refresh interval; if the
+        database is down, the last table keeps serving."""
+        while True:
+            await asyncio.sleep(self.settings.refresh_s)
+            try:
+                await asyncio.to_thread(self.load_routes)
+            except Exception as exc:  # the database is down: keep the last table
+                log.warning("route refresh failed: %s", exc)
+
+    async def _poll_loads(self) -> None:
+        """Route targets' live load (queue, KV usage), for least-loaded and prefix-aware choices."""
+        while True:
+            names = {b for state in self.router.routes.values() for version in (state.active, state.canary)
+                     if version is not None for b in version.spec.backends()}
+            for name in names & set(self.router.by_name):
+                with contextlib.suppress(Exception):
+                    self.router.loads[name] = await self.router.by_name[name].load()
+            await asyncio.sleep(self.settings.load_poll_s)

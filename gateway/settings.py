@@ -24,6 +24,10 @@ class Settings(BaseSettings):
     admin_key: str | None = None
     # Keys, tenants and routes are served from memory and re-read this often.
     refresh_s: float = 5.0
+    # Routing: how often route targets' live load is read, and the seed of every routing choice
+    # (unset: a fresh seed per process).
+    load_poll_s: float = 1.0
+    route_seed: int | None = None
     # Usage records are appended here before the response ends, then batched into the database.
     spool_dir: Path = data_dir() / "spool"
     usage_flush_s: float = 0.5

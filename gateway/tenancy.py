@@ -94,7 +94,8 @@ def _limits(obj: Limits) -> dict[str, Any]:
     return {name: getattr(obj, name) for name in Limits.model_fields}
 
 
-def _audit(session: Session, actor: str, action: str, target: str, before: dict | None, after: dict | None) -> None:
+def audit(session: Session, actor: str, action: str, target: str, before: dict | None, after: dict | None) -> None:
+    """One change, in the caller's transaction: who, what, before, after."""
     session.add(AuditLog(actor=actor, action=action, target=target, before=before, after=after))
 
 
@@ -126,7 +127,7 @@ def create_tenant(session: Session, actor: str, data: TenantIn) -> TenantOut:
     tenant = Tenant(**data.model_dump())
     session.add(tenant)
     session.flush()
-    _audit(session, actor, "tenant.create", data.name, None, _tenant_json(tenant))
+    audit(session, actor, "tenant.create", data.name, None, _tenant_json(tenant))
     session.commit()
     return TenantOut.model_validate(tenant, from_attributes=True)
 
@@ -140,7 +141,7 @@ def update_tenant(session: Session, actor: str, name: str, patch: TenantPatch) -
         setattr(tenant, field, value)
     session.add(tenant)
     session.flush()
-    _audit(session, actor, "tenant.update", name, before, _tenant_json(tenant))
+    audit(session, actor, "tenant.update", name, before, _tenant_json(tenant))
     session.commit()
     return TenantOut.model_validate(tenant, from_attributes=True)
 
@@ -164,7 +165,7 @@ def create_key(session: Session, actor: str, data: KeyIn) -> KeyCreated:
     expires = utcnow() + timedelta(days=data.expires_in_days) if data.expires_in_days else None
     row, key = _add_key(session, tenant, data.name, sorted(set(data.scopes)), expires, _limits(data))
     out = _key_out(row, tenant.name)
-    _audit(session, actor, "key.create", row.prefix, None, out.model_dump(mode="json"))
+    audit(session, actor, "key.create", row.prefix, None, out.model_dump(mode="json"))
     session.commit()
     return KeyCreated(key=key, **out.model_dump())
 
@@ -184,7 +185,7 @@ def revoke_key(session: Session, actor: str, prefix: str) -> KeyOut:
     row.revoked_at = utcnow()
     session.add(row)
     out = _key_out(row, tenant.name)
-    _audit(session, actor, "key.revoke", prefix, before, out.model_dump(mode="json"))
+    audit(session, actor, "key.revoke", prefix, before, out.model_dump(mode="json"))
     session.commit()
     return out
 
@@ -197,7 +198,7 @@ def rotate_key(session: Session, actor: str, prefix: str) -> KeyCreated:
     session.add(old)
     row, key = _add_key(session, tenant, old.name, old.scopes.split(","), old.expires_at, _limits(old))
     out = _key_out(row, tenant.name)
-    _audit(session, actor, "key.rotate", prefix, before, out.model_dump(mode="json"))
+    audit(session, actor, "key.rotate", prefix, before, out.model_dump(mode="json"))
     session.commit()
     return KeyCreated(key=key, **out.model_dump())
 
@@ -242,6 +243,6 @@ def bootstrap(session: Session, admin_key: str | None) -> str | None:
         session.add(tenant)
         session.flush()
     row, key = _add_key(session, tenant, "bootstrap admin", ["admin", "inference"], None, {}, key=admin_key)
-    _audit(session, "bootstrap", "key.create", row.prefix, None, _key_out(row, tenant.name).model_dump(mode="json"))
+    audit(session, "bootstrap", "key.create", row.prefix, None, _key_out(row, tenant.name).model_dump(mode="json"))
     session.commit()
     return key

@@ -1,4 +1,4 @@
-"""Admin API (`/admin/...`, admin-scope keys only): tenants, keys, usage, audit log.
+"""Admin API (`/admin/...`, admin-scope keys only): tenants, keys, usage, audit log, routes.
 Changes take effect in this process at once and on other replicas within the refresh interval."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query
 from sqlmodel import Session, col, select
 
-from .. import tenancy
+from .. import routes, tenancy
 from ..deps import AdminPrincipal, GatewayDep
 from ..models import AuditLog
 from ..service import Gateway
@@ -92,3 +92,37 @@ def audit(_: AdminPrincipal, session: SessionDep,
           limit: Annotated[int, Query(ge=1, le=10_000)] = 100) -> list[dict[str, Any]]:
     rows = session.exec(select(AuditLog).order_by(col(AuditLog.id).desc()).limit(limit))
     return [row.model_dump(mode="json") for row in rows]
+
+
+# -- routes: versioned, audited; this replica serves a change at once, the others within the refresh
+@router.get("/routes", response_model=list[routes.RouteState])
+def list_routes(_: AdminPrincipal, session: SessionDep):
+    return list(routes.table(session).values())
+
+
+@router.get("/routes/{alias}")
+def route_history(alias: str, _: AdminPrincipal, session: SessionDep) -> dict[str, Any]:
+    return routes.history(session, alias)
+
+
+@router.post("/routes/{alias}/deploy", response_model=routes.RouteOut, status_code=201)
+def deploy_route(alias: str, body: routes.DeployIn, admin: AdminPrincipal, session: SessionDep,
+                 gateway: GatewayDep):
+    out = routes.deploy(session, admin.subject, alias, body.spec, body.canary_share, set(gateway.router.by_name))
+    gateway.load_routes()
+    return out
+
+
+@router.post("/routes/{alias}/promote", response_model=routes.RouteOut)
+def promote_route(alias: str, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep):
+    out = routes.promote(session, admin.subject, alias)
+    gateway.load_routes()
+    return out
+
+
+@router.post("/routes/{alias}/rollback", response_model=routes.RouteOut)
+def rollback_route(alias: str, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep,
+                   to: int | None = None, reason: str = ""):
+    out = routes.rollback(session, admin.subject, alias, to, reason)
+    gateway.load_routes()
+    return out

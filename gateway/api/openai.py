@@ -169,11 +169,24 @@ class Responder:
         yield sse("[DONE]")
 
 
+def prompt_text(prompt: dict[str, Any]) -> str:
+    """The prompt as text, for prefix-aware routing: the prompt, or the messages' contents in order."""
+    if isinstance(prompt.get("prompt"), str):
+        return prompt["prompt"]
+    parts = []
+    for message in prompt.get("messages") or ():
+        content = message.get("content")
+        parts.append(content if isinstance(content, str) else " ".join(
+            p.get("text", "") for p in content or () if isinstance(p, dict)))
+    return "\n".join(parts)
+
+
 async def _respond(request: Request, gateway: Gateway, principal: Principal, body: SamplingRequest,
                    chat: bool, **prompt: Any):
-    model, backend = gateway.resolve(principal, body.model)
+    decision = gateway.resolve(principal, body.model, prompt_text(prompt))
+    model = decision.model
     greq = body.generate_request(model, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", **prompt)
-    call = Call(gateway, principal, model, backend, greq, api="openai", stream=body.stream)
+    call = Call(gateway, principal, decision, greq, api="openai", stream=body.stream)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     responder = Responder(chat, model, include_usage, greq.request_id)
     try:

@@ -91,9 +91,9 @@ def _tokens(delta: Delta) -> list[Token]:
 
 async def _start(request: Request, gateway: Gateway, principal: Principal, body: TGIRequest, model: str | None,
                  stream: bool):
-    model, backend = gateway.resolve(principal, model)
-    greq = _request(body, model)
-    call = Call(gateway, principal, model, backend, greq, api="tgi", stream=stream)
+    decision = gateway.resolve(principal, model, body.inputs)
+    greq = _request(body, decision.model)
+    call = Call(gateway, principal, decision, greq, api="tgi", stream=stream)
     first, events = await call.open(request)
     return greq, first, events
 
@@ -188,16 +188,16 @@ async def generate_stream(request: Request, body: TGIRequest, principal: Inferen
 
 @router.post("/tokenize", summary="Tokenize inputs")
 async def tokenize(body: TGIRequest, principal: InferencePrincipal, gateway: GatewayDep, model: str | None = None):
-    _, backend = gateway.resolve(principal, model)
+    backend = gateway.resolve(principal, model).candidates[0]
     return [{"id": t.id, "text": t.text, "start": t.start, "stop": t.stop} for t in await backend.tokenize(body.inputs)]
 
 
 @router.get("/info", summary="Model and router information")
 async def info(principal: InferencePrincipal, gateway: GatewayDep, model: str | None = None):
-    model, backend = gateway.resolve(principal, model)
-    caps = await backend.capabilities()
+    decision = gateway.resolve(principal, model)
+    caps = await decision.candidates[0].capabilities()
     return {
-        "model_id": model, "model_sha": None, "model_pipeline_tag": "text-generation",
+        "model_id": decision.model, "model_sha": None, "model_pipeline_tag": "text-generation",
         "max_concurrent_requests": gateway.settings.max_in_flight + gateway.settings.max_queued,
         "max_best_of": 1, "max_stop_sequences": MAX_STOP_SEQUENCES,
         "max_input_tokens": max(caps.max_context - 1, 0), "max_total_tokens": caps.max_context,

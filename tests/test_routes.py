@@ -1,0 +1,245 @@
+"""Versioned routes, target selection, fallback, canary and rollback: the router on its own, then
+through the gateway's HTTP API and `servegate routes` against live OpenAI-compatible upstreams."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections import Counter
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from advisor.bench import stub
+from backends.base import Load
+from backends.openai_compat import OpenAICompatBackend, OpenAICompatConfig
+from gateway.routes import PrefixAware, RouteOut, RouteSpec, RouteState, Target
+from gateway.routing import Breaker, ModelRouter
+
+from .conftest import AUTH, free_port, gateway_app, serve_app
+
+
+def backend(name: str, url: str = "http://127.0.0.1:9") -> OpenAICompatBackend:
+    return OpenAICompatBackend(OpenAICompatConfig(base_url=url, model=stub.MODEL, max_context=4096), name=name)
+
+
+def version(number: int, status: str = "active", share: float | None = None, **spec) -> RouteOut:
+    return RouteOut(alias="chat", version=number, status=status, share=share, spec=RouteSpec(**spec),
+                    created_at="2026-01-01T00:00:00Z")
+
+
+def router_with(*names: str, seed: int = 7, **spec) -> ModelRouter:
+    router = ModelRouter({n: backend(n) for n in names}, seed=seed)
+    router.set_routes({"chat": RouteState(alias="chat", active=version(1, **spec), canary=None)})
+    return router
+
+
+def picks(router: ModelRouter, count: int = 400, prompt: str = "") -> list[str]:
+    return [router.resolve("chat", ["chat"], prompt).candidates[0].name for _ in range(count)]
+
+
+# -- the router -------------------------------------------------------------------------------
+def test_weighted_choice_follows_weights_and_is_reproducible_under_a_seed():
+    spec = {"targets": [Target(backend="a", weight=3), Target(backend="b", weight=1)], "fallbacks": ["c"]}
+    first = picks(router_with("a", "b", "c", **spec))
+    assert first == picks(router_with("a", "b", "c", **spec))  # same seed, same choices
+    assert first != picks(router_with("a", "b", "c", seed=8, **spec))
+    share = Counter(first)["a"] / len(first)
+    assert 0.68 < share < 0.82 and "c" not in first  # 3:1, and the fallback only as a fallback
+    order = [b.name for b in router_with("a", "b", "c", **spec).resolve("chat", ["chat"]).candidates]
+    assert order[-1] == "c" and sorted(order[:2]) == ["a", "b"]
+
+
+def test_the_canary_gets_its_share():
+    router = ModelRouter({n: backend(n) for n in ("old", "new")}, seed=1)
+    router.set_routes({"chat": RouteState(
+        alias="chat", active=version(1, targets=[Target(backend="old")]),
+        canary=version(2, status="canary", share=0.2, targets=[Target(backend="new")]))})
+    decisions = [router.resolve("chat", ["chat"]) for _ in range(1000)]
+    canary = [d for d in decisions if d.variant == "canary"]
+    assert 0.16 < len(canary) / 1000 < 0.24
+    assert {d.candidates[0].name for d in canary} == {"new"} and {d.version for d in canary} == {2}
+
+
+def test_a_failing_target_is_skipped_while_its_breaker_is_open_then_probed():
+    router = router_with("a", "b", targets=[Target(backend="a", weight=100), Target(backend="b", weight=1)])
+    router.breakers["a"] = Breaker(threshold=3, cooldown_s=0.2)
+    for _ in range(3):
+        router.record(router.by_name["a"], ok=False)
+    decision = router.resolve("chat", ["chat"])
+    assert [b.name for b in decision.candidates] == ["b"] and "skipped a (circuit open)" in decision.reason
+    time.sleep(0.25)
+    names = lambda: [b.name for b in router.resolve("chat", ["chat"]).candidates]  # noqa: E731
+    assert "a" in names()  # half-open: one probe may go to it
+    assert names() == ["b"]  # while that probe is out, the others wait
+    router.record(router.by_name["a"], ok=True)
+    breaker = router.breakers["a"]
+    assert breaker.opened_at is None and breaker.failures == 0
+
+
+def test_least_loaded_picks_the_shortest_queue():
+    router = router_with("a", "b", targets=[Target(backend="a"), Target(backend="b")], balance="least-loaded")
+    router.loads = {"a": Load(running=4, waiting=6), "b": Load(running=2, waiting=0)}
+    assert set(picks(router, 20)) == {"b"}
+    router.pending = lambda name: 50 if name == "b" else 0  # this replica's own queue counts too
+    assert set(picks(router, 20)) == {"a"}
+
+
+def test_prefix_aware_keeps_a_shared_prefix_together_unless_its_owner_is_overloaded():
+    spec = {"targets": [Target(backend="a"), Target(backend="b")],
+            "prefix_aware": PrefixAware(block_chars=16, blocks=4, max_extra_waiting=2)}
+    router = router_with("a", "b", **spec)
+    shared = "You are a careful assistant. " * 4
+    owners = {p: picks(router, 1, shared + p)[0] for p in ("q1", "q2", "q3", "q4")}
+    assert len(set(owners.values())) == 1  # every question on the shared system prompt, one replica
+    first = next(iter(owners.values()))
+    decision = router.resolve("chat", ["chat"], shared + "q5")
+    assert decision.reason.startswith("prefix (4 blocks cached)")
+    others = {picks(router, 1, f"{i:02d} unrelated prompt number {i}")[0] for i in range(30)}
+    assert others == {"a", "b"}  # new prefixes spread by weight
+    router.loads = {first: Load(running=5, waiting=0)}
+    moved = router.resolve("chat", ["chat"], shared + "q6")
+    assert "overloaded" in moved.reason and moved.candidates[0].name != first
+
+
+# -- through the gateway ------------------------------------------------------------------------
+def upstream(label: str, chunks: int = 3, delay: float = 0.0, status: int = 200, fail_after: int | None = None):
+    """An OpenAI-compatible upstream whose text names it: `label0 label1 ...`."""
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await stub.read_body(receive)
+        if scope["method"] == "GET":
+            await stub.app(scope, receive, send)
+            return
+        if status != 200:
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": b'{"error": {"message": "engine down"}}'})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for i in range(chunks):
+            if fail_after is not None and i == fail_after:
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": b'data: {"error": {"message": "the engine died", "code": 500}}\n\n'})
+                await send({"type": "http.response.body", "body": b""})
+                return
+            await asyncio.sleep(delay)
+            chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": stub.MODEL,
+                     "choices": [{"index": 0, "delta": {"content": f"{label}{i} "}, "finish_reason": None}]}
+            await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
+                        "more_body": True})
+        await send({"type": "http.response.body", "more_body": True, "body": stub.STREAM[-3]})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    return app
+
+
+@pytest.fixture
+def gateway(tmp_path):
+    """A gateway (refresh every 0.2 s) over upstreams: `a`, `b` (slow, 20 chunks), `dead` (nothing
+    listens), `broken` (500s) and `dies` (fails after its first chunk)."""
+    apps = {"a": upstream("a"), "b": upstream("b", chunks=20, delay=0.05), "broken": upstream("x", status=500),
+            "dies": upstream("d", fail_after=1)}
+    with serve_app(apps["a"]) as a, serve_app(apps["b"]) as b, serve_app(apps["broken"]) as broken, \
+            serve_app(apps["dies"]) as dies:
+        urls = {"a": a, "b": b, "broken": broken, "dies": dies, "dead": f"http://127.0.0.1:{free_port()}"}
+        backends = {name: backend(name, url) for name, url in urls.items()}
+        app = gateway_app(backends, tmp_path, refresh_s=0.2, route_seed=3)
+        with serve_app(app) as url:
+            yield url, tmp_path
+
+
+def chat(url: str, model: str = "chat") -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=30,
+                      json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30})
+
+
+def admin(url: str, method: str, path: str, **kwargs) -> httpx.Response:
+    return httpx.request(method, f"{url}/admin{path}", headers=AUTH, timeout=30, **kwargs)
+
+
+def test_routes_through_the_admin_api_fall_back_before_the_first_token_and_name_the_decision(gateway):
+    url, _ = gateway
+    bad = admin(url, "POST", "/routes/chat/deploy", json={"spec": {"targets": [{"backend": "nope"}]}})
+    assert bad.status_code == 404 and "nope" in bad.json()["error"]["message"]
+    spec = {"targets": [{"backend": "dead", "weight": 5}, {"backend": "broken"}], "fallbacks": ["a"]}
+    assert admin(url, "POST", "/routes/chat/deploy", json={"spec": spec}).status_code == 201
+    answer = chat(url)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"].startswith("a0 a1")
+    route = answer.headers["x-servegate-route"]
+    assert "alias=chat; version=1; variant=active; backend=a" in route
+    assert "chat" in [m["id"] for m in httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"]]
+
+    # a new version, as a canary, promoted, then rolled back: every step in the history
+    assert admin(url, "POST", "/routes/chat/deploy",
+                 json={"spec": {"targets": [{"backend": "a"}]}, "canary_share": 0.5}).json()["status"] == "canary"
+    variants = Counter(chat(url).headers["x-servegate-route"].split("; ")[2] for _ in range(20))
+    assert variants["variant=canary"] > 0 and variants["variant=active"] > 0
+    assert admin(url, "POST", "/routes/chat/promote").json()["version"] == 2
+    assert admin(url, "POST", "/routes/chat/rollback", params={"reason": "latency"}).json()["version"] == 1
+    history = admin(url, "GET", "/routes/chat").json()
+    assert [v["status"] for v in history["versions"]] == ["retired", "active"]
+    actions = [c["action"] for c in history["changes"]]
+    for action in ("route.deploy", "route.deploy.canary", "route.promote", "route.rollback",
+                   "route.rollback.reason"):
+        assert action in actions
+
+
+def test_a_failure_after_the_first_token_is_an_error_event_not_a_fallback(gateway):
+    url, _ = gateway
+    admin(url, "POST", "/routes/chat/deploy", json={"spec": {"targets": [{"backend": "dies"}], "fallbacks": ["a"]}})
+    with httpx.stream("POST", f"{url}/v1/chat/completions", headers=AUTH, timeout=30,
+                      json={"model": "chat", "messages": [{"role": "user", "content": "hi"}], "stream": True}) as r:
+        body = r.read().decode()
+    assert "d0" in body and "a0" not in body  # no silent switch once the client has text
+    assert '"error"' in body and "the engine died" in body and body.rstrip().endswith("data: [DONE]")
+    assert '"finish_reason":"stop"' not in body.replace(" ", "")
+
+
+def test_cli_rollback_reaches_the_gateway_within_the_refresh_and_spares_requests_in_flight(gateway, monkeypatch):
+    from gateway.cli import app
+
+    url, home = gateway
+    monkeypatch.setenv("SERVEGATE_DATABASE_URL", f"sqlite:///{home}/servegate.db")
+    runner = CliRunner()
+    route_a, route_b = home / "a.yaml", home / "b.yaml"
+    route_a.write_text("targets: [{backend: a}]\n")
+    route_b.write_text("targets: [{backend: b}]\n")
+    assert "version 1 is active" in runner.invoke(app, ["routes", "deploy", "chat", "-f", str(route_a)]).output
+    assert "version 2 is active" in runner.invoke(app, ["routes", "deploy", "chat", "-f", str(route_b)]).output
+    bad = runner.invoke(app, ["routes", "deploy", "chat", "-f", str(route_a), "--canary", "150%"])
+    assert bad.exit_code == 2 and "strictly between" in bad.output
+    time.sleep(0.5)  # the gateway's refresh picks version 2 up
+
+    streamed: list[str] = []
+
+    def long_request() -> None:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", headers=AUTH, timeout=30,
+                          json={"model": "chat", "messages": [{"role": "user", "content": "hi"}],
+                                "stream": True}) as r:
+            streamed.append(r.headers.get("x-servegate-route", ""))
+            streamed.append(r.read().decode())
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    time.sleep(0.3)  # the request is streaming from b (20 chunks, 1 s)
+    result = runner.invoke(app, ["routes", "rollback", "chat", "--reason", "regression"])
+    assert result.exit_code == 0 and "version 1 is active" in result.output
+    deadline = time.monotonic() + 2
+    while "backend=a" not in chat(url).headers["x-servegate-route"]:
+        assert time.monotonic() < deadline, "the rollback did not reach the gateway within the refresh"
+        time.sleep(0.05)
+    worker.join()
+    assert "version=2" in streamed[0] and "b19" in streamed[1] and streamed[1].rstrip().endswith("[DONE]")
+    history = runner.invoke(app, ["routes", "history", "chat", "--json"])
+    data = json.loads(history.output)
+    assert [v["version"] for v in data["versions"] if v["status"] == "active"] == [1]
+    assert {"route.rollback", "route.rollback.reason"} <= {c["action"] for c in data["changes"]}
+    missing = runner.invoke(app, ["routes", "promote", "chat"])
+    assert missing.exit_code == 2 and "no canary to promote" in missing.output
