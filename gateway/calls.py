@@ -32,6 +32,7 @@ from backends.base import (
 )
 from backends.timing import StreamTimer
 
+from . import shadow
 from .auth import Principal
 from .errors import GatewayError
 from .generation import open_stream
@@ -59,11 +60,15 @@ class Call:
         self.answered = False  # a backend sent its first event
         self.produced = 0
         self.finished = False
+        self.shadow: asyncio.Task | None = None  # the candidate's mirrored answer, when sampled
+        self.text = ""  # the primary's answer, kept only to compare with the shadow's
 
     async def open(self, request: Request) -> tuple[Event, AsyncIterator[Event]]:
         """Reserve, then start the backend and wait for its first event (errors raise here). The
         backend that answered is named in the `x-servegate-route` response header."""
         await self._reserve()
+        if self.decision.shadow is not None:
+            self.shadow = self.gw.spawn(shadow.mirror(self.gw, self.decision.shadow, self.greq))
         try:
             opened = await open_stream(self._events(), request)
             request.state.servegate_route = self.decision.header(self.backend)
@@ -149,6 +154,8 @@ class Call:
                 self.answered = True
                 if isinstance(event, Delta):
                     self.produced += len(event.token_ids)
+                    if self.shadow is not None and event.index == 0:
+                        self.text += event.text
                     if event.text or event.token_ids:
                         now = time.monotonic()
                         if self.first_token_at is None:
@@ -189,6 +196,17 @@ class Call:
             await events.aclose()
 
     # -- after ------------------------------------------------------------------------------
+    def _compare(self, status: str, usage: Usage, ttft_ms: float | None, latency_ms: float) -> None:
+        """Record the shadow's answer beside this one; a failed or abandoned primary has nothing to
+        compare with, so its shadow is dropped."""
+        if status != "ok":
+            self.shadow.cancel()
+            return
+        d = self.decision
+        primary = shadow.Answer(self.text, usage.completion_tokens, ttft_ms, latency_ms)
+        self.gw.spawn(shadow.record(self.gw, d.alias, d.version, self.greq, self.backend.name, primary,
+                                    d.shadow.name, self.shadow))
+
     def _route_label(self) -> str:
         d = self.decision
         return self.model if d.alias is None else f"{d.alias}@{d.version}"
@@ -208,6 +226,9 @@ class Call:
             "status": status, "error_type": error, "started_at": self.started_at, "finished_at": utcnow(),
         }
         self.gw.ledger.record(record)
+        self.gw.canary.observe(self.decision, status, ttft_ms, record["latency_ms"], usage.completion_tokens)
+        if self.shadow is not None:
+            self._compare(status, usage, ttft_ms, record["latency_ms"])
         if self.reservation is not None:
             self.gw.spawn(self.gw.quotas.settle(self.reservation, usage.prompt_tokens + usage.completion_tokens))
         metrics = self.gw.metrics

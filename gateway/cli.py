@@ -458,6 +458,20 @@ def routes_history(alias: str, as_json: Annotated[bool, typer.Option("--json")] 
            ["at", "actor", "action", "target"])
 
 
+@routes_app.command("shadow-report")
+def routes_shadow_report(alias: str, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Mirrored requests: each candidate's errors, latency and agreement with the primary."""
+    from .shadow import report
+
+    with _session() as session:
+        rows = report(session, alias)
+    if not rows and not as_json:
+        typer.echo(f"no shadow traffic recorded for {alias!r}")
+        return
+    _print(rows, as_json, ["version", "shadow_backend", "requests", "error_rate", "primary_ttft_p50_ms",
+                           "shadow_ttft_p50_ms", "exact_match_rate", "mean_similarity"])
+
+
 # `servegate bench` lives in the advisor: it is the advisor's measuring instrument too.
 app.command(name="bench")(bench)
 app.command(name="advise")(advise_command)

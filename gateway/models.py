@@ -103,6 +103,31 @@ class UsageRecord(SQLModel, table=True):
     finished_at: datetime
 
 
+class ShadowResult(SQLModel, table=True):
+    """A mirrored request: the candidate's answer beside the primary's (the client saw only the
+    primary's)."""
+
+    __tablename__ = "shadow_result"
+
+    id: int | None = Field(default=None, primary_key=True)
+    at: datetime = Field(default_factory=utcnow, index=True)
+    alias: str = Field(index=True, max_length=128)
+    version: int
+    request_id: str = Field(max_length=64)
+    primary_backend: str = Field(max_length=64)
+    shadow_backend: str = Field(max_length=64)
+    greedy: bool
+    primary_ttft_ms: float | None = None
+    shadow_ttft_ms: float | None = None
+    primary_latency_ms: float
+    shadow_latency_ms: float
+    primary_tokens: int
+    shadow_tokens: int
+    shadow_error: str | None = Field(default=None, max_length=64)
+    exact_match: bool
+    similarity: float  # token-level (whitespace tokens), 0-1
+
+
 class AuditLog(SQLModel, table=True):
     __tablename__ = "audit_log"
 

@@ -9,6 +9,7 @@ targets:
   - {backend: tgi-a, weight: 3}
   - {backend: tgi-b, weight: 1}
 fallbacks: [vllm-a]            # tried, in order, when the chosen target fails before its first token
+shadow: {backend: vllm-a, share: 0.1}          # mirrored, answers compared, never returned
 balance: weighted              # or least-loaded: the target with the shortest queue, from its live load
 prefix_aware: {block_chars: 256, blocks: 8}   # prompts sharing a leading block go where it was served last
 timeout_s: 120                 # whole request
@@ -44,16 +45,25 @@ class PrefixAware(BaseModel):
     max_extra_waiting: int = Field(default=4, ge=0)
 
 
+class Shadow(BaseModel):
+    """Mirror a sampled `share` of requests to `backend`: its answers are recorded beside the
+    primary's (`servegate routes shadow-report`) and never reach the client."""
+    model_config = ConfigDict(extra="forbid")
+    backend: str = Field(min_length=1)
+    share: float = Field(default=1.0, gt=0, le=1)
+
+
 class RouteSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     targets: list[Target] = Field(min_length=1)
     fallbacks: list[str] = []
     balance: Literal["weighted", "least-loaded"] = "weighted"
     prefix_aware: PrefixAware | None = None
+    shadow: Shadow | None = None
     timeout_s: float | None = Field(default=None, gt=0)
 
     def backends(self) -> list[str]:
-        return [t.backend for t in self.targets] + self.fallbacks
+        return [t.backend for t in self.targets] + self.fallbacks + ([self.shadow.backend] if self.shadow else [])
 
 
 class RouteOut(BaseModel):
@@ -181,6 +191,23 @@ def rollback(session: Session, actor: str, alias: str, to: int | None = None, re
     _note(session, actor, alias, target.version, reason)
     session.commit()
     return _out(target)
+
+
+def end_canary(session: Session, actor: str, alias: str, version: int, reason: str,
+               action: Literal["rollback", "promote"] = "rollback") -> bool:
+    """Roll back (or promote) canary `version` if it is still the canary; False when it no longer
+    is (another replica, or an operator, acted first)."""
+    canary = _with_status(_versions(session, alias), "canary")
+    if canary is None or canary.version != version:
+        return False
+    if action == "promote":
+        promote(session, actor, alias)
+        audit(session, actor, "route.promote.reason", f"{alias}@{version}", None, {"reason": reason})
+    else:
+        _retire(session, actor, canary, "route.rollback.canary")
+        _note(session, actor, alias, version, reason)
+    session.commit()
+    return True
 
 
 def _note(session: Session, actor: str, alias: str, version: int, reason: str) -> None:

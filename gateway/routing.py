@@ -26,6 +26,7 @@ class Decision:
     variant: str = "direct"  # direct | active | canary
     reason: str = "served model"
     timeout_s: float | None = None  # the route's, over the gateway's request timeout
+    shadow: Backend | None = None  # mirror this request to it
 
     def header(self, backend: Backend) -> str:
         """The `x-servegate-route` value once `backend` answered."""
@@ -130,7 +131,9 @@ class ModelRouter:
         if state.canary is not None and (version is None or self.rng.random() < (state.canary.share or 0.0)):
             version, variant = state.canary, "canary"
         order, reason = self._order(version, prompt)
-        return Decision(alias, order, alias, version.version, variant, reason, version.spec.timeout_s)
+        mirror = version.spec.shadow
+        shadow = self.by_name.get(mirror.backend) if mirror and self.rng.random() < mirror.share else None
+        return Decision(alias, order, alias, version.version, variant, reason, version.spec.timeout_s, shadow)
 
     def _order(self, version: RouteOut, prompt: str) -> tuple[list[Backend], str]:
         spec, now = version.spec, time.monotonic()

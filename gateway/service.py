@@ -10,9 +10,11 @@ import logging
 from sqlalchemy import Engine
 
 from backends.base import Backend
+from policies.rollout import ROLLOUT, load_rollout
 
 from .admission import Admission
 from .auth import Directory, Principal
+from .canary import CanaryGuard
 from .ledger import UsageLedger
 from .quotas import MemoryQuotaStore, QuotaStore, RedisQuotaStore
 from .routing import Decision, ModelRouter
@@ -36,6 +38,7 @@ class Gateway:
         }
         self.router.pending = lambda name: self.admission[name].in_flight + self.admission[name].queued
         self._tasks: set[asyncio.Task] = set()
+        self.canary = CanaryGuard(self, load_rollout(settings.rollout_policy or ROLLOUT))
 
     async def start(self) -> None:
         await asyncio.to_thread(self.directory.load)  # the first read must succeed: no keys, no service
@@ -44,6 +47,7 @@ class Gateway:
         self.spawn(self.ledger.run())
         self.spawn(self._refresh_routes())
         self.spawn(self._poll_loads())
+        self.spawn(self.canary.run())
 
     async def close(self) -> None:
         for task in list(self._tasks):

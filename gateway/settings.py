@@ -28,6 +28,8 @@ class Settings(BaseSettings):
     # (unset: a fresh seed per process).
     load_poll_s: float = 1.0
     route_seed: int | None = None
+    # The canary guard's thresholds (default: the shipped policies/rollout.yaml).
+    rollout_policy: Path | None = None
     # Usage records are appended here before the response ends, then batched into the database.
     spool_dir: Path = data_dir() / "spool"
     usage_flush_s: float = 0.5

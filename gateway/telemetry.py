@@ -33,6 +33,8 @@ class GatewayMetrics:
         self.overhead = Histogram("servegate_overhead_seconds",
                                   "Gateway time before the backend is called (auth, limits, quota).",
                                   buckets=OVERHEAD_BUCKETS, registry=r)
+        self.canary_actions = Counter("servegate_canary_actions", "Canaries the guard rolled back or promoted.",
+                                      ["alias", "action"], registry=r)
         self.in_flight = Gauge("servegate_in_flight", "Requests in flight.", ["backend"], registry=r)
         self.queued = Gauge("servegate_queue_depth", "Requests waiting for a backend slot.", ["backend"], registry=r)
 

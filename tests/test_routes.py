@@ -4,6 +4,7 @@ through the gateway's HTTP API and `servegate routes` against live OpenAI-compat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -142,21 +143,22 @@ def upstream(label: str, chunks: int = 3, delay: float = 0.0, status: int = 200,
 @pytest.fixture
 def gateway(tmp_path):
     """A gateway (refresh every 0.2 s) over upstreams: `a`, `b` (slow, 20 chunks), `dead` (nothing
-    listens), `broken` (500s) and `dies` (fails after its first chunk)."""
+    listens), `broken` (500s), `dies` (fails after its first chunk) and `mirror` (answers as `a`)."""
     apps = {"a": upstream("a"), "b": upstream("b", chunks=20, delay=0.05), "broken": upstream("x", status=500),
-            "dies": upstream("d", fail_after=1)}
-    with serve_app(apps["a"]) as a, serve_app(apps["b"]) as b, serve_app(apps["broken"]) as broken, \
-            serve_app(apps["dies"]) as dies:
-        urls = {"a": a, "b": b, "broken": broken, "dies": dies, "dead": f"http://127.0.0.1:{free_port()}"}
+            "dies": upstream("d", fail_after=1), "mirror": upstream("a")}
+    with contextlib.ExitStack() as stack:
+        urls = {name: stack.enter_context(serve_app(app)) for name, app in apps.items()}
+        urls["dead"] = f"http://127.0.0.1:{free_port()}"
         backends = {name: backend(name, url) for name, url in urls.items()}
         app = gateway_app(backends, tmp_path, refresh_s=0.2, route_seed=3)
         with serve_app(app) as url:
             yield url, tmp_path
 
 
-def chat(url: str, model: str = "chat") -> httpx.Response:
+def chat(url: str, model: str = "chat", temperature: float = 1.0) -> httpx.Response:
     return httpx.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=30,
-                      json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30})
+                      json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30,
+                            "temperature": temperature})
 
 
 def admin(url: str, method: str, path: str, **kwargs) -> httpx.Response:
@@ -243,3 +245,33 @@ def test_cli_rollback_reaches_the_gateway_within_the_refresh_and_spares_requests
     assert {"route.rollback", "route.rollback.reason"} <= {c["action"] for c in data["changes"]}
     missing = runner.invoke(app, ["routes", "promote", "chat"])
     assert missing.exit_code == 2 and "no canary to promote" in missing.output
+
+
+def test_shadow_traffic_is_mirrored_compared_and_never_returned(gateway, monkeypatch):
+    from gateway.cli import app
+
+    url, home = gateway
+    admin(url, "POST", "/routes/chat/deploy", json={"spec": {"targets": [{"backend": "a"}],
+                                                             "shadow": {"backend": "mirror", "share": 1.0}}})
+    for temperature in (0.0, 0.0, 0.0, 0.0, 1.0, 1.0):
+        answer = chat(url, temperature=temperature)
+        assert "backend=a" in answer.headers["x-servegate-route"]
+    admin(url, "POST", "/routes/chat/deploy", json={"spec": {"targets": [{"backend": "a"}],
+                                                             "shadow": {"backend": "broken"}}})
+    for _ in range(3):  # the candidate fails; the clients never notice
+        assert chat(url).json()["choices"][0]["message"]["content"].startswith("a0")
+    deadline = time.monotonic() + 10
+    while sum(r["requests"] for r in admin(url, "GET", "/routes/chat/shadow").json()) < 9:
+        assert time.monotonic() < deadline, "shadow results were not recorded"
+        time.sleep(0.1)
+    report = {r["version"]: r for r in admin(url, "GET", "/routes/chat/shadow").json()}
+    same = report[1]
+    assert (same["shadow_backend"], same["requests"], same["errors"]) == ("mirror", 6, 0)
+    assert (same["greedy_requests"], same["exact_match_rate"]) == (4, 1.0)
+    assert (same["sampled_requests"], same["mean_similarity"]) == (2, 1.0)
+    assert same["shadow_ttft_p50_ms"] > 0 and same["primary_backends"] == ["a"]
+    failing = report[2]
+    assert (failing["shadow_backend"], failing["requests"], failing["error_rate"]) == ("broken", 3, 1.0)
+    monkeypatch.setenv("SERVEGATE_DATABASE_URL", f"sqlite:///{home}/servegate.db")
+    cli = json.loads(CliRunner().invoke(app, ["routes", "shadow-report", "chat", "--json"]).output)
+    assert [r["requests"] for r in cli] == [6, 3]

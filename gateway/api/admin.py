@@ -10,7 +10,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query
 from sqlmodel import Session, col, select
 
-from .. import routes, tenancy
+from .. import routes, shadow, tenancy
 from ..deps import AdminPrincipal, GatewayDep
 from ..models import AuditLog
 from ..service import Gateway
@@ -126,3 +126,9 @@ def rollback_route(alias: str, admin: AdminPrincipal, session: SessionDep, gatew
     out = routes.rollback(session, admin.subject, alias, to, reason)
     gateway.load_routes()
     return out
+
+
+@router.get("/routes/{alias}/shadow")
+def shadow_report(alias: str, _: AdminPrincipal, session: SessionDep) -> list[dict[str, Any]]:
+    """Mirrored requests of this alias: each candidate against the primary answers."""
+    return shadow.report(session, alias)
