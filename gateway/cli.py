@@ -25,6 +25,8 @@ app.add_typer(keys_app, name="keys")
 routes_app = typer.Typer(help="Routes: a model alias -> versioned targets, with canary and rollback.",
                          no_args_is_help=True)
 app.add_typer(routes_app, name="routes")
+migrate_app = typer.Typer(help="Move a deployment's traffic to another runtime.", no_args_is_help=True)
+app.add_typer(migrate_app, name="migrate")
 
 
 @app.callback()
@@ -470,6 +472,43 @@ def routes_shadow_report(alias: str, as_json: Annotated[bool, typer.Option("--js
         return
     _print(rows, as_json, ["version", "shadow_backend", "requests", "error_rate", "primary_ttft_p50_ms",
                            "shadow_ttft_p50_ms", "exact_match_rate", "mean_similarity"])
+
+
+@migrate_app.command("tgi", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def migrate_tgi(
+    ctx: typer.Context,
+    alias: Annotated[str | None, typer.Option(help="The alias clients will use (default: from the model id).")] = None,
+    tgi_url: Annotated[str, typer.Option(help="Where TGI serves now.")] = "http://127.0.0.1:3000",
+    candidate: Annotated[str, typer.Option(help="vllm | sglang")] = "vllm",
+    candidate_url: Annotated[str, typer.Option(help="Where the candidate will serve.")] = "http://127.0.0.1:8001",
+    output_format: Annotated[str, typer.Option("--format", help="md | json")] = "md",
+    output: Annotated[Path | None, typer.Option(help="Write plan, servegate.yaml and route files here.")] = None,
+) -> None:
+    """Plan the move off TGI: `servegate migrate tgi -- --model-id X --num-shard 2 ... PREFIX_CACHING=1`."""
+    from policies.rollout import load_rollout
+
+    from .migration import MigrationError, TGIDeployment, plan, to_markdown
+
+    if candidate not in ("vllm", "sglang"):
+        _fail(f"--candidate {candidate!r}: vllm or sglang")
+    if output_format not in ("md", "json"):
+        _fail(f"--format {output_format!r}: md or json")
+    try:
+        deployment = TGIDeployment.parse(list(ctx.args))
+        name = alias or deployment.flags["model-id"].rsplit("/", 1)[-1].lower()
+        result = plan(deployment, name, tgi_url, candidate_url, candidate, load_rollout())
+    except MigrationError as exc:
+        _fail(str(exc))
+    text = json.dumps(result, indent=2) if output_format == "json" else to_markdown(result)
+    if output is None:
+        typer.echo(text)
+        return
+    output.mkdir(parents=True, exist_ok=True)
+    (output / f"plan.{output_format}").write_text(text)
+    (output / "servegate.yaml").write_text(yaml.safe_dump(result["servegate_yaml"], sort_keys=False))
+    for route, spec in result["routes"].items():
+        (output / f"route-{route}.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    typer.echo(f"plan written to {output}")
 
 
 # `servegate bench` lives in the advisor: it is the advisor's measuring instrument too.

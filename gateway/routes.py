@@ -12,6 +12,7 @@ fallbacks: [vllm-a]            # tried, in order, when the chosen target fails b
 shadow: {backend: vllm-a, share: 0.1}          # mirrored, answers compared, never returned
 balance: weighted              # or least-loaded: the target with the shortest queue, from its live load
 prefix_aware: {block_chars: 256, blocks: 8}   # prompts sharing a leading block go where it was served last
+rules: routing                 # policies/rules/routing.yaml: exclude and rank targets per request
 timeout_s: 120                 # whole request
 ```
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlmodel import Session, col, select
 
 from .models import AuditLog, Route
@@ -32,6 +33,7 @@ class Target(BaseModel):
     model_config = ConfigDict(extra="forbid")
     backend: str = Field(min_length=1)
     weight: float = Field(default=1.0, gt=0)
+    pool: str = ""  # a label routing rules may read, e.g. throughput
 
 
 class PrefixAware(BaseModel):
@@ -60,7 +62,21 @@ class RouteSpec(BaseModel):
     balance: Literal["weighted", "least-loaded"] = "weighted"
     prefix_aware: PrefixAware | None = None
     shadow: Shadow | None = None
+    rules: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9_-]*$")  # a file in policies/rules
     timeout_s: float | None = Field(default=None, gt=0)
+
+    @field_validator("rules")
+    @classmethod
+    def _rules_exist(cls, name: str | None) -> str | None:
+        """A route names a rules file that loads (or the deploy fails, saying why)."""
+        from policies.rules import RULES, RuleSet
+
+        if name is not None:
+            if not (RULES / f"{name}.yaml").is_file():
+                known = ", ".join(sorted(p.stem for p in RULES.glob("*.yaml")))
+                raise ValueError(f"no rules file {name!r} in policies/rules (known: {known})")
+            RuleSet.load(RULES / f"{name}.yaml")
+        return name
 
     def backends(self) -> list[str]:
         return [t.backend for t in self.targets] + self.fallbacks + ([self.shadow.backend] if self.shadow else [])

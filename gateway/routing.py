@@ -1,8 +1,9 @@
 """Which backend serves a request: a served model's own backend, or a route alias's version
-(active, or the canary by its share) and, inside it, a target. Targets are skipped while their
-circuit breaker is open; the choice is weighted, or the least loaded, or the replica that last
-served the prompt's prefix; the other targets and the fallbacks follow as retries. One seeded
-random generator makes every choice reproducible."""
+(active, or the canary by its share) and, inside it, a target. The version's rules (CEL, in
+policies/rules) exclude targets and rank the rest; targets are skipped while their circuit
+breaker is open; the choice is weighted, or the least loaded, or the replica that last served the
+prompt's prefix; the other targets and the fallbacks follow as retries. One seeded random
+generator makes every choice reproducible."""
 
 from __future__ import annotations
 
@@ -11,10 +12,31 @@ import random
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import cache
 
-from backends.base import Backend, Load, ModelNotFound
+from backends.base import Backend, Capabilities, InvalidRequest, Load, ModelNotFound
+from policies.matrix import matrices
+from policies.rules import RULES, RuleSet
 
-from .routes import PrefixAware, RouteOut, RouteState
+from .routes import PrefixAware, RouteOut, RouteState, Target
+
+# Capabilities.runtime -> the support matrix that describes it.
+MATRIX_OF = {"llama.cpp": "llama-cpp", "llama-cpp-python": "llama-cpp", "servegate": "builtin"}
+
+
+@dataclass(frozen=True)
+class RequestFacts:
+    """What routing rules may look at, known before the request is sent."""
+    tenant: str = ""
+    tier: str = ""
+    prompt: str = ""
+    max_tokens: int = 0
+    stream: bool = False
+
+
+@cache
+def rules_named(name: str) -> RuleSet:
+    return RuleSet.load(RULES / f"{name}.yaml")
 
 
 @dataclass
@@ -102,6 +124,7 @@ class ModelRouter:
         self.rng = random.Random(seed)
         self.breakers: dict[str, Breaker] = {name: Breaker() for name in self.by_name}
         self.loads: dict[str, Load] = {}  # polled from the backends
+        self.capabilities: dict[str, Capabilities] = {}  # read once each backend answers
         self.pending = lambda name: 0  # this replica's requests in flight or queued per backend
         self.prefixes = PrefixIndex()
 
@@ -113,7 +136,7 @@ class ModelRouter:
         self.routes = {alias: state for alias, state in routes.items()
                        if state.active is not None or state.canary is not None}
 
-    def resolve(self, model: str | None, visible: list[str], prompt: str = "") -> Decision:
+    def resolve(self, model: str | None, visible: list[str], facts: RequestFacts = RequestFacts()) -> Decision:
         """The backends for `model` among the `visible` ones (optional when only one is). Models
         the caller may not use are reported as missing, never as forbidden."""
         if not model and len(visible) == 1:
@@ -122,22 +145,26 @@ class ModelRouter:
             raise ModelNotFound(f"The model `{model}` does not exist or you do not have access to it. "
                                 f"Available: {', '.join(visible) or 'none'}.", param="model")
         if model in self.routes:
-            return self._route(model, self.routes[model], prompt)
+            return self._route(model, self.routes[model], facts)
         return Decision(model, [self.backends[model]])
 
     # -- inside a route -----------------------------------------------------------------------
-    def _route(self, alias: str, state: RouteState, prompt: str) -> Decision:
+    def _route(self, alias: str, state: RouteState, facts: RequestFacts) -> Decision:
         version, variant = state.active, "active"
         if state.canary is not None and (version is None or self.rng.random() < (state.canary.share or 0.0)):
             version, variant = state.canary, "canary"
-        order, reason = self._order(version, prompt)
+        order, reason = self._order(alias, version, facts)
         mirror = version.spec.shadow
         shadow = self.by_name.get(mirror.backend) if mirror and self.rng.random() < mirror.share else None
         return Decision(alias, order, alias, version.version, variant, reason, version.spec.timeout_s, shadow)
 
-    def _order(self, version: RouteOut, prompt: str) -> tuple[list[Backend], str]:
-        spec, now = version.spec, time.monotonic()
+    def _order(self, alias: str, version: RouteOut, facts: RequestFacts) -> tuple[list[Backend], str]:
+        spec, now, prompt = version.spec, time.monotonic(), facts.prompt
         targets = [t for t in spec.targets if t.backend in self.by_name]
+        fallbacks = list(spec.fallbacks)
+        ruled = ""
+        if spec.rules:
+            targets, fallbacks, ruled = self._apply_rules(alias, spec, facts, targets, fallbacks)
         open_ = [t for t in targets if not self.breakers[t.backend].allows(now)]
         ready = [t for t in targets if t not in open_]
         first, reason = None, "weighted"
@@ -149,11 +176,13 @@ class ModelRouter:
         if first is None and ready:
             first = self.rng.choices(ready, weights=[t.weight for t in ready])[0]
         rest = sorted((t for t in ready if t is not first), key=lambda t: -t.weight)
-        names = ([first.backend] if first else []) + [t.backend for t in rest] + list(spec.fallbacks)
+        names = ([first.backend] if first else []) + [t.backend for t in rest] + fallbacks
         if not names:  # every target's breaker is open: try them anyway rather than refuse outright
-            names, reason = [t.backend for t in targets] + list(spec.fallbacks), "all targets failing"
+            names, reason = [t.backend for t in targets] + fallbacks, "all targets failing"
         elif open_:
             reason += f"; skipped {','.join(t.backend for t in open_)} (circuit open)"
+        if ruled:
+            reason = f"{ruled}; {reason}"
         seen: dict[str, Backend] = {}
         for name in names:
             if name in self.by_name and name not in seen:
@@ -175,6 +204,40 @@ class ModelRouter:
             chosen = self.rng.choices(fit, weights=[t.weight for t in fit])[0]
         self.prefixes.remember(hashes, chosen.backend)
         return chosen, reason
+
+    def _apply_rules(self, alias: str, spec, facts: RequestFacts, targets: list[Target], fallbacks: list[str]):
+        """The version's rules over each (request, target): exclusions drop targets (and
+        fallbacks), scores keep only the best-scored targets. Refuses the request, with every
+        reason, when no target is left."""
+        rules = rules_named(spec.rules)
+        hashes = PrefixIndex.chain(prompt := facts.prompt, spec.prefix_aware or PrefixAware())
+        request = {"tenant": facts.tenant, "tier": facts.tier, "model": alias, "prompt_chars": len(prompt),
+                   "prompt_tokens": len(prompt) // 4, "max_tokens": facts.max_tokens, "stream": facts.stream,
+                   "shared_prefix": self.prefixes.owner(hashes)[1] > 0}
+        excluded, scored = [], {}
+        for name in dict.fromkeys([t.backend for t in targets] + fallbacks):
+            fired = rules.evaluate({"request": request, "target": self._target_facts(name, spec)})
+            if stop := next((f for f in fired if f.rule.kind == "exclude"), None):
+                excluded.append(f"{stop.rule.id}: {stop.reason}")
+                continue
+            scored[name] = (sum(f.rule.score for f in fired), [f.rule.id for f in fired if f.rule.kind == "score"])
+        kept = [t for t in targets if t.backend in scored]
+        if not kept:
+            raise InvalidRequest(f"no target of route {alias!r} can serve this request: {'; '.join(excluded)}")
+        best = max(scored[t.backend][0] for t in kept)
+        chosen = [t for t in kept if scored[t.backend][0] == best]
+        why = sorted({rule for t in chosen for rule in scored[t.backend][1]})
+        summary = "rules: " + ", ".join(why or ["none fired"]) + (f"; excluded {len(excluded)}" if excluded else "")
+        return chosen, [f for f in fallbacks if f in scored], summary
+
+    def _target_facts(self, name: str, spec) -> dict:
+        caps, load = self.capabilities.get(name), self.loads.get(name)
+        target = next((t for t in spec.targets if t.backend == name), None)
+        matrix = matrices().get(MATRIX_OF.get(caps.runtime, caps.runtime)) if caps else None
+        return {"backend": name, "runtime": caps.runtime if caps else "", "pool": target.pool if target else "",
+                "max_context": caps.max_context if caps else 0, "prefix_caching": bool(caps and caps.prefix_caching),
+                "maintained": matrix is None or matrix.maintained.status == "yes",
+                "waiting": self._waiting(name), "kv_usage": load.kv_usage if load else 0.0}
 
     def _waiting(self, backend: str) -> int:
         """Requests ahead of a new one: the backend's own count (all replicas' traffic, as last

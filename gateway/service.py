@@ -17,7 +17,7 @@ from .auth import Directory, Principal
 from .canary import CanaryGuard
 from .ledger import UsageLedger
 from .quotas import MemoryQuotaStore, QuotaStore, RedisQuotaStore
-from .routing import Decision, ModelRouter
+from .routing import Decision, ModelRouter, RequestFacts
 from .settings import Settings
 from .telemetry import GatewayMetrics
 
@@ -67,8 +67,10 @@ class Gateway:
     def visible_models(self, principal: Principal) -> list[str]:
         return [m for m in self.router.models() if principal.may_use(m)]
 
-    def resolve(self, principal: Principal, model: str | None, prompt: str = "") -> Decision:
-        return self.router.resolve(model, self.visible_models(principal), prompt)
+    def resolve(self, principal: Principal, model: str | None, prompt: str = "", max_tokens: int | None = None,
+                stream: bool = False) -> Decision:
+        facts = RequestFacts(principal.tenant.name, principal.tenant.tier, prompt, max_tokens or 0, stream)
+        return self.router.resolve(model, self.visible_models(principal), facts)
 
     # -- routes -------------------------------------------------------------------------------
     def load_routes(self) -> None:
@@ -96,6 +98,9 @@ class Gateway:
             names = {b for state in self.router.routes.values() for version in (state.active, state.canary)
                      if version is not None for b in version.spec.backends()}
             for name in names & set(self.router.by_name):
+                backend = self.router.by_name[name]
                 with contextlib.suppress(Exception):
-                    self.router.loads[name] = await self.router.by_name[name].load()
+                    self.router.loads[name] = await backend.load()
+                    if name not in self.router.capabilities:
+                        self.router.capabilities[name] = await backend.capabilities()
             await asyncio.sleep(self.settings.load_poll_s)

@@ -12,7 +12,8 @@ A rules file declares the fields its conditions may read and their types, then t
         cite: maintained         # a support-matrix cell whose source the report shows
 
 Loading fails, naming the rule, on a syntax error, a field the file does not declare, a type
-error against the declared types, or a condition that is not a boolean."""
+error against the declared types, a condition that is not a boolean, or a rule that can never
+fire (a condition always false, or one an earlier exclusion already acts on)."""
 
 from __future__ import annotations
 
@@ -68,8 +69,15 @@ class RuleSet:
         if duplicated := sorted({i for i in ids if ids.count(i) > 1}):
             raise RuleError(f"{name}: rule ids used twice: {', '.join(duplicated)}")
         sample = nest({path: SAMPLES[kind] for path, kind in fields.items()})
+        excluding: dict[str, str] = {}  # condition -> the exclude rule that acts on it first
         for rule in rules:
             self._check(rule, sample)
+            condition = " ".join(rule.when.split())
+            if condition in excluding:
+                raise RuleError(f"{name}: rule {rule.id!r} is unreachable: rule {excluding[condition]!r} excludes "
+                                "first on the same condition")
+            if rule.kind == "exclude":
+                excluding[condition] = rule.id
 
     @classmethod
     def load(cls, path: Path) -> RuleSet:
@@ -95,6 +103,8 @@ class RuleSet:
             raise RuleError(f"{where}: type error in {rule.when!r}: {exc}") from exc
         if not isinstance(result, bool):
             raise RuleError(f"{where}: the condition must be a boolean, not {type(result).__name__}")
+        if not references(rule.when) and result is False:
+            raise RuleError(f"{where} is unreachable: its condition is always false")
 
     def evaluate(self, context: dict) -> list[Fired]:
         """The rules that fire on `context` (a nested dict holding every declared field)."""

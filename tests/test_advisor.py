@@ -130,10 +130,20 @@ def _rules(tmp_path, when: str, fields: dict | None = None, **extra):
     ("a.s > 1", "type error"),  # a string against a number
     ("a.x + 1 > 2.0", "type error"),  # CEL does not add double and int: 1.0 is meant
     ("a.s + 'x'", "must be a boolean"),
+    ("1 > 2", "unreachable: its condition is always false"),
 ])
 def test_invalid_rules_are_refused_at_load_naming_the_rule(tmp_path, when, message):
     with pytest.raises(RuleError, match=f"rule 'r'.*{message}"):
         _rules(tmp_path, when)
+
+
+def test_a_rule_shadowed_by_an_earlier_exclusion_is_unreachable(tmp_path):
+    path = tmp_path / "rules.yaml"
+    rules = [{"id": "first", "kind": "exclude", "when": "a.n > 1", "reason": "r"},
+             {"id": "second", "kind": "warn", "when": "a.n  >  1", "reason": "r"}]
+    path.write_text(yaml.safe_dump({"fields": {"a.n": "int"}, "rules": rules}))
+    with pytest.raises(RuleError, match="rule 'second' is unreachable: rule 'first' excludes first"):
+        RuleSet.load(path)
 
 
 def test_rules_file_shape_is_checked(tmp_path):

@@ -15,10 +15,10 @@ import pytest
 from typer.testing import CliRunner
 
 from advisor.bench import stub
-from backends.base import Load
+from backends.base import Capabilities, InvalidRequest, Load
 from backends.openai_compat import OpenAICompatBackend, OpenAICompatConfig
 from gateway.routes import PrefixAware, RouteOut, RouteSpec, RouteState, Target
-from gateway.routing import Breaker, ModelRouter
+from gateway.routing import Breaker, ModelRouter, RequestFacts
 
 from .conftest import AUTH, free_port, gateway_app, serve_app
 
@@ -39,7 +39,7 @@ def router_with(*names: str, seed: int = 7, **spec) -> ModelRouter:
 
 
 def picks(router: ModelRouter, count: int = 400, prompt: str = "") -> list[str]:
-    return [router.resolve("chat", ["chat"], prompt).candidates[0].name for _ in range(count)]
+    return [router.resolve("chat", ["chat"], RequestFacts(prompt=prompt)).candidates[0].name for _ in range(count)]
 
 
 # -- the router -------------------------------------------------------------------------------
@@ -97,13 +97,40 @@ def test_prefix_aware_keeps_a_shared_prefix_together_unless_its_owner_is_overloa
     owners = {p: picks(router, 1, shared + p)[0] for p in ("q1", "q2", "q3", "q4")}
     assert len(set(owners.values())) == 1  # every question on the shared system prompt, one replica
     first = next(iter(owners.values()))
-    decision = router.resolve("chat", ["chat"], shared + "q5")
+    decision = router.resolve("chat", ["chat"], RequestFacts(prompt=shared + "q5"))
     assert decision.reason.startswith("prefix (4 blocks cached)")
     others = {picks(router, 1, f"{i:02d} unrelated prompt number {i}")[0] for i in range(30)}
     assert others == {"a", "b"}  # new prefixes spread by weight
     router.loads = {first: Load(running=5, waiting=0)}
-    moved = router.resolve("chat", ["chat"], shared + "q6")
+    moved = router.resolve("chat", ["chat"], RequestFacts(prompt=shared + "q6"))
     assert "overloaded" in moved.reason and moved.candidates[0].name != first
+
+
+def test_routing_rules_exclude_and_rank_targets_and_say_why():
+    spec = {"targets": [Target(backend="small", pool="latency"), Target(backend="big", pool="throughput")],
+            "fallbacks": ["small"], "rules": "routing"}
+    router = router_with("small", "big", **spec)
+    router.capabilities = {
+        "small": Capabilities(runtime="vllm", version="", model="m", max_context=4096, prefix_caching=True),
+        "big": Capabilities(runtime="sglang", version="", model="m", max_context=32768, prefix_caching=True)}
+
+    def route(**facts) -> tuple[list[str], str]:
+        decision = router.resolve("chat", ["chat"], RequestFacts(**facts))
+        return [b.name for b in decision.candidates], decision.reason
+
+    names, reason = route(tier="batch", prompt="hi", max_tokens=100)
+    assert names[0] == "big" and "batch-tier-to-throughput-pool" in reason
+    names, reason = route(tier="standard", prompt="hi", max_tokens=100)
+    assert names[0] == "small" and "interactive-off-throughput-pool" in reason
+    names, reason = route(tier="standard", prompt="x" * 20_000, max_tokens=500)  # ~5,000 tokens: small cannot
+    assert names == ["big"] and "excluded 1" in reason  # the fallback too: it would not fit either
+    with pytest.raises(InvalidRequest, match="no target of route 'chat'.*context-must-fit: big: ~50000 prompt"):
+        route(prompt="x" * 200_000, max_tokens=10)
+
+
+def test_a_route_naming_missing_or_broken_rules_is_refused():
+    with pytest.raises(ValueError, match="no rules file 'nope' in policies/rules"):
+        RouteSpec(targets=[Target(backend="a")], rules="nope")
 
 
 # -- through the gateway ------------------------------------------------------------------------
@@ -199,7 +226,7 @@ def test_a_failure_after_the_first_token_is_an_error_event_not_a_fallback(gatewa
     with httpx.stream("POST", f"{url}/v1/chat/completions", headers=AUTH, timeout=30,
                       json={"model": "chat", "messages": [{"role": "user", "content": "hi"}], "stream": True}) as r:
         body = r.read().decode()
-    assert "d0" in body and "a0" not in body  # no silent switch once the client has text
+    assert '"content":"d0 "' in body and '"content":"a0 ' not in body  # no silent switch once text was sent
     assert '"error"' in body and "the engine died" in body and body.rstrip().endswith("data: [DONE]")
     assert '"finish_reason":"stop"' not in body.replace(" ", "")
 

@@ -183,7 +183,7 @@ def prompt_text(prompt: dict[str, Any]) -> str:
 
 async def _respond(request: Request, gateway: Gateway, principal: Principal, body: SamplingRequest,
                    chat: bool, **prompt: Any):
-    decision = gateway.resolve(principal, body.model, prompt_text(prompt))
+    decision = gateway.resolve(principal, body.model, prompt_text(prompt), body.max_tokens, body.stream)
     model = decision.model
     greq = body.generate_request(model, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", **prompt)
     call = Call(gateway, principal, decision, greq, api="openai", stream=body.stream)

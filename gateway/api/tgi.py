@@ -84,14 +84,16 @@ def _finish_reason(reason: str | None, greq: GenerateRequest) -> str:
 
 
 def _tokens(delta: Delta) -> list[Token]:
-    """One TGI token per token id; a chunk's text rides on its last token (texts concatenate)."""
-    ids = delta.token_ids or ()
+    """One TGI token per token id; a chunk's text rides on its last token (texts concatenate). A
+    remote OpenAI-compatible backend streams text without ids: one token per piece, id 0 (TGI's
+    schema needs a non-negative id; the real one is unknown)."""
+    ids = delta.token_ids or ((0,) if delta.text else ())
     return [Token(id=t, text=delta.text if i == len(ids) - 1 else "") for i, t in enumerate(ids)]
 
 
 async def _start(request: Request, gateway: Gateway, principal: Principal, body: TGIRequest, model: str | None,
                  stream: bool):
-    decision = gateway.resolve(principal, model, body.inputs)
+    decision = gateway.resolve(principal, model, body.inputs, body.parameters.max_new_tokens, stream)
     greq = _request(body, decision.model)
     call = Call(gateway, principal, decision, greq, api="tgi", stream=stream)
     first, events = await call.open(request)
