@@ -18,7 +18,7 @@ from advisor.bench import stub
 from backends.base import Capabilities, InvalidRequest, Load
 from backends.openai_compat import OpenAICompatBackend, OpenAICompatConfig
 from gateway.routes import PrefixAware, RouteOut, RouteSpec, RouteState, Target
-from gateway.routing import Breaker, ModelRouter, RequestFacts
+from gateway.routing import Breaker, ModelRouter, PrefixIndex, RequestFacts
 
 from .conftest import AUTH, free_port, gateway_app, serve_app
 
@@ -126,6 +126,21 @@ def test_routing_rules_exclude_and_rank_targets_and_say_why():
     assert names == ["big"] and "excluded 1" in reason  # the fallback too: it would not fit either
     with pytest.raises(InvalidRequest, match="no target of route 'chat'.*context-must-fit: big: ~50000 prompt"):
         route(prompt="x" * 200_000, max_tokens=10)
+
+
+def test_a_long_shared_prefix_goes_to_the_target_with_prefix_caching():
+    spec = {"targets": [Target(backend="cold"), Target(backend="warm")], "rules": "routing",
+            "prefix_aware": PrefixAware(block_chars=64, blocks=4)}
+    router = router_with("cold", "warm", **spec)
+    router.capabilities = {
+        "cold": Capabilities(runtime="tgi", version="", model="m", max_context=32768, prefix_caching=False),
+        "warm": Capabilities(runtime="vllm", version="", model="m", max_context=32768, prefix_caching=True)}
+    system = "You answer questions about the attached contract. " * 50  # ~2,500 characters
+    router.prefixes.remember(PrefixIndex.chain(system, spec["prefix_aware"]), "cold")  # seen before
+    decision = router.resolve("chat", ["chat"], RequestFacts(prompt=system + "Who signs?", max_tokens=64))
+    assert decision.candidates[0].name == "warm" and "long-shared-prefix-to-prefix-cache" in decision.reason
+    fresh = router.resolve("chat", ["chat"], RequestFacts(prompt="A new question " * 200, max_tokens=64))
+    assert "long-shared-prefix-to-prefix-cache" not in fresh.reason  # nothing shared yet
 
 
 def test_a_route_naming_missing_or_broken_rules_is_refused():
@@ -302,3 +317,18 @@ def test_shadow_traffic_is_mirrored_compared_and_never_returned(gateway, monkeyp
     monkeypatch.setenv("SERVEGATE_DATABASE_URL", f"sqlite:///{home}/servegate.db")
     cli = json.loads(CliRunner().invoke(app, ["routes", "shadow-report", "chat", "--json"]).output)
     assert [r["requests"] for r in cli] == [6, 3]
+
+
+def test_routing_rules_reason_reaches_the_response_header(gateway):
+    url, _ = gateway
+    spec = {"targets": [{"backend": "a", "pool": "latency"}, {"backend": "mirror", "pool": "throughput"}],
+            "rules": "routing"}
+    assert admin(url, "POST", "/routes/chat/deploy", json={"spec": spec}).status_code == 201
+    assert admin(url, "POST", "/tenants", json={"name": "nightly", "tier": "batch"}).status_code == 201
+    key = admin(url, "POST", "/keys", json={"tenant": "nightly"}).json()["key"]
+    batch = httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=30,
+                       json={"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
+    route = batch.headers["x-servegate-route"]
+    assert "backend=mirror" in route and "rules: batch-tier-to-throughput-pool" in route
+    interactive = chat(url).headers["x-servegate-route"]
+    assert "backend=a" in interactive and "interactive-off-throughput-pool" in interactive
