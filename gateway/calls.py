@@ -238,6 +238,7 @@ class Call:
             metrics.tokens.labels(tenant, self.model, kind).inc(getattr(usage, f"{kind}_tokens"))
         extra = {k: record[k] for k in ("request_id", "tenant", "model", "status", "error_type", "prompt_tokens",
                                          "completion_tokens", "ttft_ms", "latency_ms")}
+        extra["route"] = self.decision.header(self.backend)  # which version and backend, and why
         if self.gw.settings.log_prompts:
             extra["prompt"] = self.greq.prompt or self.greq.messages
         log.info("request finished", extra=extra)

@@ -126,6 +126,7 @@ class ModelRouter:
         self.loads: dict[str, Load] = {}  # polled from the backends
         self.capabilities: dict[str, Capabilities] = {}  # read once each backend answers
         self.pending = lambda name: 0  # this replica's requests in flight or queued per backend
+        self.down: set[str] = set()  # targets whose health check says they are down
         self.prefixes = PrefixIndex()
 
     def models(self) -> list[str]:
@@ -165,7 +166,7 @@ class ModelRouter:
         ruled = ""
         if spec.rules:
             targets, fallbacks, ruled = self._apply_rules(alias, spec, facts, targets, fallbacks)
-        open_ = [t for t in targets if not self.breakers[t.backend].allows(now)]
+        open_ = [t for t in targets if t.backend in self.down or not self.breakers[t.backend].allows(now)]
         ready = [t for t in targets if t not in open_]
         first, reason = None, "weighted"
         if ready and spec.prefix_aware is not None and prompt:
@@ -180,7 +181,7 @@ class ModelRouter:
         if not names:  # every target's breaker is open: try them anyway rather than refuse outright
             names, reason = [t.backend for t in targets] + fallbacks, "all targets failing"
         elif open_:
-            reason += f"; skipped {','.join(t.backend for t in open_)} (circuit open)"
+            reason += f"; skipped {','.join(t.backend for t in open_)} (down or circuit open)"
         if ruled:
             reason = f"{ruled}; {reason}"
         seen: dict[str, Backend] = {}

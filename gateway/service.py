@@ -9,7 +9,7 @@ import logging
 
 from sqlalchemy import Engine
 
-from backends.base import Backend
+from backends.base import Backend, Health
 from policies.rollout import ROLLOUT, load_rollout
 
 from .admission import Admission
@@ -93,13 +93,18 @@ class Gateway:
                 log.warning("route refresh failed: %s", exc)
 
     async def _poll_loads(self) -> None:
-        """Route targets' live load (queue, KV usage), for least-loaded and prefix-aware choices."""
+        """Route targets' health and live load (queue, KV usage): a target that reports itself
+        down is skipped until it is back; the load feeds least-loaded and prefix-aware choices."""
         while True:
             names = {b for state in self.router.routes.values() for version in (state.active, state.canary)
                      if version is not None for b in version.spec.backends()}
             for name in names & set(self.router.by_name):
                 backend = self.router.by_name[name]
                 with contextlib.suppress(Exception):
+                    if await backend.health() == Health.DOWN:
+                        self.router.down.add(name)
+                        continue
+                    self.router.down.discard(name)
                     self.router.loads[name] = await backend.load()
                     if name not in self.router.capabilities:
                         self.router.capabilities[name] = await backend.capabilities()

@@ -71,7 +71,7 @@ def test_a_failing_target_is_skipped_while_its_breaker_is_open_then_probed():
     for _ in range(3):
         router.record(router.by_name["a"], ok=False)
     decision = router.resolve("chat", ["chat"])
-    assert [b.name for b in decision.candidates] == ["b"] and "skipped a (circuit open)" in decision.reason
+    assert [b.name for b in decision.candidates] == ["b"] and "skipped a (down or circuit open)" in decision.reason
     time.sleep(0.25)
     names = lambda: [b.name for b in router.resolve("chat", ["chat"]).candidates]  # noqa: E731
     assert "a" in names()  # half-open: one probe may go to it
@@ -79,6 +79,14 @@ def test_a_failing_target_is_skipped_while_its_breaker_is_open_then_probed():
     router.record(router.by_name["a"], ok=True)
     breaker = router.breakers["a"]
     assert breaker.opened_at is None and breaker.failures == 0
+
+
+def test_a_target_whose_health_check_fails_is_skipped_until_it_recovers():
+    router = router_with("a", "b", targets=[Target(backend="a", weight=100), Target(backend="b", weight=1)])
+    router.down.add("a")
+    assert set(picks(router, 20)) == {"b"}
+    router.down.discard("a")
+    assert "a" in set(picks(router, 20))
 
 
 def test_least_loaded_picks_the_shortest_queue():
@@ -218,6 +226,10 @@ def test_routes_through_the_admin_api_fall_back_before_the_first_token_and_name_
     assert answer.json()["choices"][0]["message"]["content"].startswith("a0 a1")
     route = answer.headers["x-servegate-route"]
     assert "alias=chat; version=1; variant=active; backend=a" in route
+    deadline = time.monotonic() + 5  # the health poll finds `dead` down: it is skipped, not tried
+    while "skipped dead" not in chat(url).headers["x-servegate-route"]:
+        assert time.monotonic() < deadline, "the health check did not mark the dead target down"
+        time.sleep(0.2)
     assert "chat" in [m["id"] for m in httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"]]
 
     # a new version, as a canary, promoted, then rolled back: every step in the history
