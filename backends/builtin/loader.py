@@ -66,7 +66,6 @@ def load_model(path: str | os.PathLike | None = None, cache_dir: str | None = No
 
 
 def load_hf_dir(directory: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], object]:
-
     cfg = json.loads((directory / "config.json").read_text())
     if cfg.get("model_type") not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
