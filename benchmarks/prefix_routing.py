@@ -31,7 +31,7 @@ SERVEGATE = [sys.executable, "-c", "from gateway.cli import app; app()"]
 ROUTES = {
     "weighted random": {"targets": [{"backend": "r1"}, {"backend": "r2"}]},
     "prefix-aware": {"targets": [{"backend": "r1"}, {"backend": "r2"}],
-                     "prefix_aware": {"block_chars": 256, "blocks": 8, "max_extra_waiting": 2}},
+                     "prefix_aware": {"block_chars": 256, "blocks": 8, "max_extra_waiting": 4}},
 }
 
 

@@ -200,9 +200,12 @@ class ModelRouter:
         if chosen is not None and self._waiting(owner) - least <= spec.max_extra_waiting:
             reason = f"prefix ({depth} blocks cached)"
         else:  # among the targets not overloaded (the least loaded one at least)
-            reason = "prefix owner overloaded; weighted" if chosen is not None else "new prefix; weighted"
+            overloaded = chosen is not None
             fit = [t for t in ready if self._waiting(t.backend) - least <= spec.max_extra_waiting]
             chosen = self.rng.choices(fit, weights=[t.weight for t in fit])[0]
+            if overloaded:  # a detour: the prefix stays with its owner, or groups would flip-flop
+                return chosen, "prefix owner overloaded; weighted"
+            reason = "new prefix; weighted"
         self.prefixes.remember(hashes, chosen.backend)
         return chosen, reason
 
