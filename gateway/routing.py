@@ -172,7 +172,7 @@ class ModelRouter:
         if ready and spec.prefix_aware is not None and prompt:
             first, reason = self._by_prefix(ready, spec.prefix_aware, prompt)
         if first is None and ready and spec.balance == "least-loaded":
-            first = min(ready, key=lambda t: (self._waiting(t.backend), -t.weight))
+            first = min(ready, key=lambda t: (self._waiting(t.backend), self._kv_usage(t.backend), -t.weight))
             reason = "least-loaded"
         if first is None and ready:
             first = self.rng.choices(ready, weights=[t.weight for t in ready])[0]
@@ -248,6 +248,10 @@ class ModelRouter:
         polled) or this replica's, whichever is larger."""
         load = self.loads.get(backend)
         return max((load.waiting + load.running) if load else 0, self.pending(backend))
+
+    def _kv_usage(self, backend: str) -> float:
+        load = self.loads.get(backend)
+        return load.kv_usage if load else 0.0
 
     # -- what the calls report back --------------------------------------------------------------
     def record(self, backend: Backend, ok: bool) -> None:

@@ -95,6 +95,9 @@ def test_least_loaded_picks_the_shortest_queue():
     assert set(picks(router, 20)) == {"b"}
     router.pending = lambda name: 50 if name == "b" else 0  # this replica's own queue counts too
     assert set(picks(router, 20)) == {"a"}
+    router.pending = lambda name: 0
+    router.loads = {"a": Load(running=1, kv_usage=0.9), "b": Load(running=1, kv_usage=0.2)}
+    assert set(picks(router, 20)) == {"b"}  # equal queues: the emptier KV cache
 
 
 def test_prefix_aware_keeps_a_shared_prefix_together_unless_its_owner_is_overloaded():
