@@ -31,10 +31,10 @@ def upstream(pieces_for):
     async def app(scope, receive, send):
         if scope["type"] != "http":
             return
-        await stub.read_body(receive)
-        if scope["method"] == "GET":
+        if scope["method"] == "GET":  # the stub reads the (empty) body itself
             await stub.app(scope, receive, send)
             return
+        await stub.read_body(receive)
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
         for piece in pieces_for(scope["path"]):

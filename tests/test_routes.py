@@ -166,10 +166,10 @@ def upstream(label: str, chunks: int = 3, delay: float = 0.0, status: int = 200,
     async def app(scope, receive, send):
         if scope["type"] != "http":
             return
-        await stub.read_body(receive)
-        if scope["method"] == "GET":
+        if scope["method"] == "GET":  # the stub reads the (empty) body itself
             await stub.app(scope, receive, send)
             return
+        await stub.read_body(receive)
         if status != 200:
             await send({"type": "http.response.start", "status": status,
                         "headers": [(b"content-type", b"application/json")]})
@@ -302,6 +302,11 @@ def test_cli_rollback_reaches_the_gateway_within_the_refresh_and_spares_requests
     assert {"route.rollback", "route.rollback.reason"} <= {c["action"] for c in data["changes"]}
     missing = runner.invoke(app, ["routes", "promote", "chat"])
     assert missing.exit_code == 2 and "no canary to promote" in missing.output
+    canary = runner.invoke(app, ["routes", "deploy", "chat", "-f", str(route_b), "--canary", "30%"])
+    assert canary.exit_code == 0 and "version 3 is canary with 30% of traffic" in canary.output
+    assert "version 3 is active" in runner.invoke(app, ["routes", "promote", "chat"]).output
+    table = runner.invoke(app, ["routes", "history", "chat"]).output
+    assert "route.promote" in table and "b:1" in table
 
 
 def test_shadow_traffic_is_mirrored_compared_and_never_returned(gateway, monkeypatch):
