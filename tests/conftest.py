@@ -183,3 +183,37 @@ def wait_ready(base_url: str, timeout: float = 120, path: str = "/ready", proces
         assert process is None or process.poll() is None, f"the server exited with code {process.returncode}"
         assert time.monotonic() < deadline, f"{base_url}{path} never answered 200"
         time.sleep(0.1)
+
+
+def openai_upstream(pieces_for, status: int = 200):
+    """An OpenAI-compatible upstream answering GETs as the bench stub does, and each POST with
+    `status` (an error body unless 200) and the SSE pieces `pieces_for(path)` gives, a list or an
+    async iterator."""
+    from advisor.bench import stub
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        if scope["method"] == "GET":  # the stub reads the (empty) body itself
+            await stub.app(scope, receive, send)
+            return
+        await stub.read_body(receive)
+        if status != 200:
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": b'{"error": {"message": "engine down"}}'})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        pieces = pieces_for(scope["path"])
+        if not hasattr(pieces, "__aiter__"):
+            pieces = _aiter(pieces)
+        async for piece in pieces:
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    return app
+
+
+async def _aiter(items):
+    for item in items:
+        yield item

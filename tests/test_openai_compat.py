@@ -21,27 +21,7 @@ from backends.base import (
 )
 from backends.openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_from_status
 
-from .conftest import ADMIN_KEY, AUTH, free_port, gateway_app, serve_app
-
-
-def upstream(pieces_for):
-    """An OpenAI-compatible upstream answering GETs as the stub does and each POST with the SSE
-    pieces `pieces_for(path)` gives."""
-
-    async def app(scope, receive, send):
-        if scope["type"] != "http":
-            return
-        if scope["method"] == "GET":  # the stub reads the (empty) body itself
-            await stub.app(scope, receive, send)
-            return
-        await stub.read_body(receive)
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})
-        for piece in pieces_for(scope["path"]):
-            await send({"type": "http.response.body", "body": piece, "more_body": True})
-        await send({"type": "http.response.body", "body": b""})
-
-    return app
+from .conftest import ADMIN_KEY, AUTH, free_port, gateway_app, openai_upstream, serve_app
 
 
 def quirky_pieces(path: str) -> list[bytes]:
@@ -73,8 +53,8 @@ def tool_pieces(path: str) -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    with serve_app(stub.app) as plain, serve_app(upstream(quirky_pieces)) as odd, \
-            serve_app(upstream(tool_pieces)) as tooling:
+    with serve_app(stub.app) as plain, serve_app(openai_upstream(quirky_pieces)) as odd, \
+            serve_app(openai_upstream(tool_pieces)) as tooling:
         backends = {
             "stub": OpenAICompatBackend(OpenAICompatConfig(base_url=plain, model=stub.MODEL), name="stub"),
             "quirky": OpenAICompatBackend(OpenAICompatConfig(base_url=odd, model=stub.MODEL), name="quirky"),

@@ -20,7 +20,7 @@ from backends.openai_compat import OpenAICompatBackend, OpenAICompatConfig
 from gateway.routes import PrefixAware, RouteOut, RouteSpec, RouteState, Target
 from gateway.routing import Breaker, ModelRouter, PrefixIndex, RequestFacts
 
-from .conftest import AUTH, free_port, gateway_app, serve_app
+from .conftest import AUTH, free_port, gateway_app, openai_upstream, serve_app
 
 
 def backend(name: str, url: str = "http://127.0.0.1:9") -> OpenAICompatBackend:
@@ -161,36 +161,22 @@ def test_a_route_naming_missing_or_broken_rules_is_refused():
 
 # -- through the gateway ------------------------------------------------------------------------
 def upstream(label: str, chunks: int = 3, delay: float = 0.0, status: int = 200, fail_after: int | None = None):
-    """An OpenAI-compatible upstream whose text names it: `label0 label1 ...`."""
+    """An OpenAI-compatible upstream whose text names it: `label0 label1 ...`, each piece after
+    `delay` s; or answering `status`; or failing with an error event after `fail_after` pieces."""
 
-    async def app(scope, receive, send):
-        if scope["type"] != "http":
-            return
-        if scope["method"] == "GET":  # the stub reads the (empty) body itself
-            await stub.app(scope, receive, send)
-            return
-        await stub.read_body(receive)
-        if status != 200:
-            await send({"type": "http.response.start", "status": status,
-                        "headers": [(b"content-type", b"application/json")]})
-            await send({"type": "http.response.body", "body": b'{"error": {"message": "engine down"}}'})
-            return
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    async def pieces(path: str):
         for i in range(chunks):
             if fail_after is not None and i == fail_after:
-                await send({"type": "http.response.body", "more_body": True,
-                            "body": b'data: {"error": {"message": "the engine died", "code": 500}}\n\n'})
-                await send({"type": "http.response.body", "body": b""})
+                yield b'data: {"error": {"message": "the engine died", "code": 500}}\n\n'
                 return
             await asyncio.sleep(delay)
             chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": stub.MODEL,
                      "choices": [{"index": 0, "delta": {"content": f"{label}{i} "}, "finish_reason": None}]}
-            await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
-                        "more_body": True})
-        await send({"type": "http.response.body", "more_body": True, "body": stub.STREAM[-3]})
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+        yield stub.STREAM[-3]  # the finish chunk
+        yield b"data: [DONE]\n\n"
 
-    return app
+    return openai_upstream(pieces, status)
 
 
 @pytest.fixture
