@@ -58,6 +58,9 @@ def advise_command(
     measure: Annotated[list[str] | None, typer.Option(
         help="RUNTIME=URL[@MODEL] of a running candidate: benchmark it with `servegate bench` on this workload; "
              "repeatable.")] = None,
+    measure_config: Annotated[Path | None, typer.Option(
+        "--measure-config", help="servegate.yaml: measure each of its remote backends as the candidate of its "
+                                 "runtime, like --measure.", exists=True)] = None,
     num_prompts: Annotated[int, typer.Option(help="Requests per --measure run.")] = 64,
     output_format: Annotated[str, typer.Option("--format", help="md | html | json")] = "md",
     output: Annotated[Path | None, typer.Option(help="Write the report here (default: stdout).")] = None,
@@ -89,7 +92,7 @@ def advise_command(
     except (UnknownModel, UnknownHardware, MissingArchitectureField, ImpossibleRequest, FileNotFoundError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None
-    for entry in measure or ():
+    for entry in [*(measure or ()), *(_config_entries(measure_config) if measure_config else ())]:
         _measure(report, entry, load, num_prompts)
     text = {"md": to_markdown, "html": to_html, "json": to_json}[output_format](report)
     if output:
@@ -119,6 +122,24 @@ def _trace_sizes(path: Path) -> tuple[int, int]:
         raise typer.BadParameter(f"{path}: every line needs input_length (or prompt_tokens) and output_length "
                                  "(or max_tokens)", param_hint="--trace") from None
     return round(sum(prompts) / len(prompts)), round(sum(outputs) / len(outputs))
+
+
+# servegate.yaml backend kinds -> the runtime (support matrix) they run.
+KIND_RUNTIME = {"vllm": "vllm", "sglang": "sglang", "tgi": "tgi", "llama-server": "llama-cpp",
+                "llama-cpp-server": "llama-cpp", "trtllm": "tensorrt-llm", "lmdeploy": "lmdeploy", "ollama": "ollama"}
+
+
+def _config_entries(path: Path) -> list[str]:
+    """RUNTIME=URL@MODEL for each backend of a servegate.yaml that runs a runtime the advisor ranks."""
+    import yaml
+
+    backends = (yaml.safe_load(path.read_text()) or {}).get("backends") or []
+    entries = [f"{KIND_RUNTIME[b['kind']]}={b['url']}@{b.get('model', '')}"
+               for b in backends if isinstance(b, dict) and b.get("kind") in KIND_RUNTIME and b.get("url")]
+    if not entries:
+        raise typer.BadParameter(f"{path} has no remote backend of a ranked runtime ({', '.join(KIND_RUNTIME)})",
+                                 param_hint="--measure-config")
+    return entries
 
 
 def _measure(report: Report, entry: str, load: Workload, num_prompts: int) -> None:

@@ -309,3 +309,19 @@ def test_measure_benchmarks_a_live_candidate_beside_its_estimate():
     estimate = candidates["llama-cpp"]["estimates"]["goodput_requests_per_s"]
     assert measured["off_by"] == pytest.approx((estimate - measured["request_goodput"]) / measured["request_goodput"])
     assert candidates["builtin"]["measured"] is None  # only what was measured
+
+
+def test_measure_config_turns_servegate_yaml_backends_into_candidates(tmp_path):
+    from advisor.cli import _config_entries
+
+    config = tmp_path / "servegate.yaml"
+    config.write_text(yaml.safe_dump({"backends": [
+        {"name": "local", "kind": "builtin"},
+        {"name": "a", "kind": "vllm", "url": "http://10.0.0.5:8000", "model": "meta-llama/Llama-3.1-8B-Instruct"},
+        {"name": "b", "kind": "llama-server", "url": "http://10.0.0.6:8080", "model": "llama"}]}))
+    assert _config_entries(config) == ["vllm=http://10.0.0.5:8000@meta-llama/Llama-3.1-8B-Instruct",
+                                       "llama-cpp=http://10.0.0.6:8080@llama"]
+    config.write_text(yaml.safe_dump({"backends": [{"name": "local", "kind": "builtin"}]}))
+    result = CliRunner().invoke(app, ["advise", "--model", "Qwen/Qwen3-32B", "--hardware", "h100-sxm",
+                                      "--measure-config", str(config)])
+    assert result.exit_code == 2 and "no remote backend of a ranked runtime" in result.output
