@@ -10,11 +10,11 @@ replaces them with `servegate bench` figures."""
 from __future__ import annotations
 
 import shlex
-import sys
 from dataclasses import asdict, dataclass, field
 
+from policies import rules
 from policies.matrix import Cell, Matrix, matrices
-from policies.rules import RULES, RuleSet
+from policies.rules import RuleSet
 
 from .capacity import (
     GGUF_BITS,
@@ -117,14 +117,14 @@ def advise(model: ModelSpec, hardware: Hardware, gpus: int, workload: Workload, 
         raise ImpossibleRequest("--gpus must be at least 1")
     if not hardware.gpu and gpus > 1:
         raise ImpossibleRequest(f"{hardware.id} is one machine: --gpus applies to accelerators only")
-    rules = RuleSet.load(RULES / "advisor.yaml")
+    ruleset = rules.named("advisor")
     chosen = matrices()
     unknown = set(runtimes or ()) - set(chosen)
     if unknown:
         raise ImpossibleRequest(f"unknown runtimes {sorted(unknown)}: choose from {', '.join(chosen)}")
     if workload.expert_parallel is None:  # wide MoE across a node: the guides serve it with expert parallelism
         workload.expert_parallel = model.moe and model.params_total > 200e9 and gpus >= 8
-    candidates = [_candidate(m, model, hardware, gpus, workload, derates, rules)
+    candidates = [_candidate(m, model, hardware, gpus, workload, derates, ruleset)
                   for runtime, m in chosen.items() if not runtimes or runtime in runtimes]
     _rank(candidates)
     summary = _summary(candidates)
@@ -151,7 +151,7 @@ def _what_would_fit(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, worklo
 
 
 def _candidate(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: Workload, derates: Derates,
-               rules: RuleSet) -> Candidate:
+               ruleset: RuleSet) -> Candidate:
     kv_key, kv_cell = _kv_cell(m, workload, hw)
     weight_format = (workload.weight_quant or model.checkpoint_format).lower()
     weight_cell = _weight_cell(m, weight_format, hw)
@@ -184,7 +184,7 @@ def _candidate(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
     candidate = Candidate(m.runtime, m.name, m.version)
     cells = {"kv_cache": kv_cell, "weight_quant": weight_cell, "hardware": m.hardware[hw.family],
              "architectures": m.architectures.get(model.architecture)}
-    for fired in rules.evaluate(context):
+    for fired in ruleset.evaluate(context):
         rule = fired.rule
         cell = cells.get(rule.cite) if rule.cite in cells else _cell_at(m, rule.cite)
         path = _cell_path(m, rule.cite, cell)
@@ -214,20 +214,20 @@ def _kv_cell(m: Matrix, workload: Workload, hw: Hardware) -> tuple[str, Cell | N
     key = KV_ALIASES.get(asked, asked)
     if key == "auto":
         return m.memory.kv_dtype, None
-    cell = m.kv_cache.get(key)
-    if cell is None:
-        return key, Cell(status="no", source=m.memory.source, checked=m.memory.checked,
-                         note=f"not among its KV cache types ({', '.join(m.kv_cache) or 'none'})")
-    if not cell.holds_on(hw.family):
-        return key, cell.model_copy(update={"status": "no", "note": f"only on {', '.join(cell.hardware)}: {cell.note}"})
-    return key, cell
+    return key, _cell_on(m, m.kv_cache.get(key), hw,
+                         f"not among its KV cache types ({', '.join(m.kv_cache) or 'none'})")
 
 
 def _weight_cell(m: Matrix, fmt: str, hw: Hardware) -> Cell:
     key = WEIGHT_KEYS.get(fmt, "gguf" if fmt.upper() in GGUF_BITS or fmt.upper().startswith(("Q", "IQ")) else fmt)
-    cell = m.weight_quant.get(key)
+    return _cell_on(m, m.weight_quant.get(key), hw, f"{fmt} is not in its list")
+
+
+def _cell_on(m: Matrix, cell: Cell | None, hw: Hardware, missing: str) -> Cell:
+    """A cell as it reads on this hardware: `no` where the matrix has none (saying `missing`) or
+    where the cell holds only on other hardware families."""
     if cell is None:
-        return Cell(status="no", source=m.memory.source, checked=m.memory.checked, note=f"{fmt} is not in its list")
+        return Cell(status="no", source=m.memory.source, checked=m.memory.checked, note=missing)
     if not cell.holds_on(hw.family):
         return cell.model_copy(update={"status": "no", "note": f"only on {', '.join(cell.hardware)}: {cell.note}"})
     return cell
@@ -249,8 +249,7 @@ def _memory(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: Work
     context = workload.prompt_tokens + workload.output_tokens
     per_token = kv_bytes_per_token(model.arch, kv_key if kv_key in KV_DTYPE_BYTES else "bf16", tp=gpus,
                                    context=context)
-    plan = memory_plan(capacity_used, weights, per_token, context, m.memory.fraction_of, fraction, reserved)
-    return plan
+    return memory_plan(capacity_used, weights, per_token, context, m.memory.fraction_of, fraction, reserved)
 
 
 def _estimates(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: Workload, derates: Derates, plan,
@@ -308,7 +307,7 @@ def _largest(ok, limit: int) -> int:
 def _launch(m: Matrix, model: ModelSpec, gpus: int, workload: Workload, kv_cell: Cell | None, plan) -> dict:
     """Ready commands: `servegate launch` and the runtime's own line (built by backends.launch,
     the one flag-translation table), or the matrix's template; and the gateway backend entry."""
-    from backends.launch import LaunchError, LaunchSpec, command
+    from backends.launch import LaunchError, LaunchSpec, shell_line
 
     context = workload.prompt_tokens + workload.output_tokens
     slots = max(1, min(workload.concurrency, plan.max_sequences))
@@ -319,12 +318,10 @@ def _launch(m: Matrix, model: ModelSpec, gpus: int, workload: Workload, kv_cell:
                           tensor_parallel=gpus, kv_cache_dtype=kv if kv and kv_cell else None,
                           max_running_requests=slots)
         try:
-            argv, env = command(spec)
+            out["runtime_command"] = shell_line(spec, portable=True)
         except LaunchError as exc:
             out["note"] = str(exc)
         else:
-            argv = ["python", *argv[1:]] if argv[0] == sys.executable else argv  # not this machine's interpreter
-            out["runtime_command"] = " ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(argv)])
             flags = [f"--model {shlex.quote(model.id)}", f"--context-length {context}", f"--tp {gpus}",
                      f"--max-running-requests {slots}"] + ([f"--kv-cache-dtype {kv}"] if kv and kv_cell else [])
             out["servegate_command"] = f"servegate launch {m.launch.servegate} " + " ".join(flags)

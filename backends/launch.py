@@ -10,6 +10,7 @@ context cap (that is `--context-length`), while TGI's `--max-total-tokens` is th
 from __future__ import annotations
 
 import contextlib
+import shlex
 import subprocess
 import sys
 import time
@@ -53,6 +54,15 @@ def command(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
              "llama-cpp-python": _llama_cpp_python}[spec.runtime]
     argv, env = build(spec)
     return argv + spec.extra_args, env
+
+
+def shell_line(spec: LaunchSpec, portable: bool = False) -> str:
+    """The command of `spec` as one shell line, environment first; `portable` writes `python` for
+    this machine's interpreter, for a plan to run elsewhere."""
+    argv, env = command(spec)
+    if portable and argv[0] == sys.executable:
+        argv = ["python", *argv[1:]]
+    return " ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(argv)])
 
 
 def _opt(flag: str, value) -> list[str]:

@@ -77,19 +77,25 @@ class CanaryGuard:
 
     def observe(self, decision: Decision, status: str, ttft_ms: float | None, latency_ms: float,
                 tokens: int) -> None:
-        """One finished request of a route (cancelled ones say nothing about the backend)."""
-        if decision.alias is None or status == "cancelled":
+        """One finished request of a route while it runs a canary (cancelled ones say nothing about
+        the backend); samples older than the window are dropped as new ones come."""
+        state = self.gw.router.routes.get(decision.alias) if decision.alias is not None else None
+        if state is None or state.canary is None or status == "cancelled":
             return
         tpot = (latency_ms - ttft_ms) / (tokens - 1) if ttft_ms is not None and tokens > 1 else None
-        self.samples.setdefault((decision.alias, decision.version), deque()).append(
-            Sample(time.monotonic(), status == "ok", ttft_ms, tpot))
+        window = self.samples.setdefault((decision.alias, decision.version), deque())
+        window.append(Sample(time.monotonic(), status == "ok", ttft_ms, tpot))
+        self._prune(window)
 
     def stats(self, alias: str, version: int) -> Stats:
         window = self.samples.get((alias, version), deque())
+        self._prune(window)
+        return Stats.of(list(window))
+
+    def _prune(self, window: deque[Sample]) -> None:
         horizon = time.monotonic() - self.policy.window_s
         while window and window[0].at < horizon:
             window.popleft()
-        return Stats.of(list(window))
 
     async def run(self) -> None:
         while True:
@@ -100,6 +106,10 @@ class CanaryGuard:
                 log.exception("canary check failed")
 
     async def check(self) -> None:
+        live = {(alias, v.version) for alias, state in self.gw.router.routes.items()
+                for v in (state.active, state.canary) if v is not None}
+        for key in set(self.samples) - live:  # versions retired since: nothing left to compare
+            del self.samples[key]
         for alias, state in list(self.gw.router.routes.items()):
             if state.active is None or state.canary is None:
                 continue

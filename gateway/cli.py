@@ -315,9 +315,7 @@ def launch(
 ) -> None:
     """Start a runtime as a supervised subprocess from one normalized spec, wait until it is
     ready, and stop it cleanly on Ctrl-C. Arguments after `--` go to the runtime untouched."""
-    import shlex
-
-    from backends.launch import RUNTIMES, LaunchError, LaunchSpec, command, launched
+    from backends.launch import RUNTIMES, LaunchError, LaunchSpec, launched, shell_line
 
     if runtime not in RUNTIMES:
         _fail(f"unknown runtime {runtime!r}: one of {', '.join(RUNTIMES)}")
@@ -326,10 +324,9 @@ def launch(
                       max_running_requests=max_running_requests, prefix_caching=prefix_caching,
                       extra_args=list(ctx.args))
     try:
-        argv, env = command(spec)
+        typer.echo(shell_line(spec))
     except LaunchError as exc:
         _fail(str(exc))
-    typer.echo(" ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(argv)]))
     if dry_run:
         return
     _stop_on_sigterm()

@@ -9,13 +9,11 @@ SCREAMING_CASE (`--max-total-tokens` / `MAX_TOTAL_TOKENS`; docs/source/reference
 
 from __future__ import annotations
 
-import shlex
-import sys
 from dataclasses import dataclass, field
 
 import yaml
 
-from backends.launch import LaunchSpec, command
+from backends.launch import LaunchSpec, shell_line
 from policies.rollout import RolloutPolicy
 
 # TGI flag -> (vLLM, SGLang) equivalents, each a flag or None, and what to know. Flags the plan
@@ -146,9 +144,7 @@ def plan(tgi: TGIDeployment, alias: str, tgi_url: str, candidate_url: str, candi
                           context_length=context, tensor_parallel=shards, kv_cache_dtype=KV.get(kv or ""),
                           max_running_requests=tgi.int("max-batch-size"), prefix_caching=tgi.prefix_caching,
                           extra_args=extra)
-        argv, env = command(spec)
-        argv = ["python", *argv[1:]] if argv[0] == sys.executable else argv  # not this machine's interpreter
-        commands[runtime] = " ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(argv)])
+        commands[runtime] = shell_line(spec, portable=True)
     for name, value in tgi.flags.items():
         if name in EXTRA:
             vllm_flag, sglang_flag, note = EXTRA[name]

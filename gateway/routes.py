@@ -19,11 +19,14 @@ timeout_s: 120                 # whole request
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlmodel import Session, col, select
+
+from policies import rules
 
 from .models import AuditLog, Route
 from .tenancy import NAME_PATTERN, Conflict, NotFound, audit
@@ -69,13 +72,8 @@ class RouteSpec(BaseModel):
     @classmethod
     def _rules_exist(cls, name: str | None) -> str | None:
         """A route names a rules file that loads (or the deploy fails, saying why)."""
-        from policies.rules import RULES, RuleSet
-
         if name is not None:
-            if not (RULES / f"{name}.yaml").is_file():
-                known = ", ".join(sorted(p.stem for p in RULES.glob("*.yaml")))
-                raise ValueError(f"no rules file {name!r} in policies/rules (known: {known})")
-            RuleSet.load(RULES / f"{name}.yaml")
+            rules.named(name)
         return name
 
     def backends(self) -> list[str]:
@@ -131,8 +129,6 @@ def _retire(session: Session, actor: str, route: Route, action: str) -> None:
 def deploy(session: Session, actor: str, alias: str, spec: RouteSpec, canary_share: float | None = None,
            known_backends: set[str] | None = None) -> RouteOut:
     """A new version: active at once, or a canary beside the active one with `canary_share` of traffic."""
-    import re
-
     if not re.fullmatch(NAME_PATTERN, alias):
         raise Conflict(f"alias {alias!r}: letters, digits, '_', '.', '-' (up to 64)")
     if known_backends is not None and (unknown := [b for b in spec.backends() if b not in known_backends]):

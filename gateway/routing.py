@@ -12,11 +12,10 @@ import random
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from functools import cache
 
 from backends.base import Backend, Capabilities, InvalidRequest, Load, ModelNotFound
+from policies import rules
 from policies.matrix import matrices
-from policies.rules import RULES, RuleSet
 
 from .routes import PrefixAware, RouteOut, RouteState, Target
 
@@ -33,10 +32,6 @@ class RequestFacts:
     max_tokens: int = 0
     stream: bool = False
 
-
-@cache
-def rules_named(name: str) -> RuleSet:
-    return RuleSet.load(RULES / f"{name}.yaml")
 
 
 @dataclass
@@ -160,17 +155,20 @@ class ModelRouter:
         return Decision(alias, order, alias, version.version, variant, reason, version.spec.timeout_s, shadow)
 
     def _order(self, alias: str, version: RouteOut, facts: RequestFacts) -> tuple[list[Backend], str]:
-        spec, now, prompt = version.spec, time.monotonic(), facts.prompt
+        spec, now = version.spec, time.monotonic()
         targets = [t for t in spec.targets if t.backend in self.by_name]
         fallbacks = list(spec.fallbacks)
+        # the prompt's chained block hashes, for prefix-aware choice and the rules' shared-prefix fact
+        hashes = PrefixIndex.chain(facts.prompt, spec.prefix_aware or PrefixAware()) \
+            if spec.rules or spec.prefix_aware else []
         ruled = ""
         if spec.rules:
-            targets, fallbacks, ruled = self._apply_rules(alias, spec, facts, targets, fallbacks)
+            targets, fallbacks, ruled = self._apply_rules(alias, spec, facts, hashes, targets, fallbacks)
         open_ = [t for t in targets if t.backend in self.down or not self.breakers[t.backend].allows(now)]
         ready = [t for t in targets if t not in open_]
         first, reason = None, "weighted"
-        if ready and spec.prefix_aware is not None and prompt:
-            first, reason = self._by_prefix(ready, spec.prefix_aware, prompt)
+        if ready and spec.prefix_aware is not None:
+            first, reason = self._by_prefix(ready, spec.prefix_aware, hashes)
         if first is None and ready and spec.balance == "least-loaded":
             first = min(ready, key=lambda t: (self._waiting(t.backend), self._kv_usage(t.backend), -t.weight))
             reason = "least-loaded"
@@ -190,8 +188,7 @@ class ModelRouter:
                 seen[name] = self.by_name[name]
         return list(seen.values()), reason
 
-    def _by_prefix(self, ready, spec: PrefixAware, prompt: str):
-        hashes = PrefixIndex.chain(prompt, spec)
+    def _by_prefix(self, ready, spec: PrefixAware, hashes: list[bytes]):
         if not hashes:  # shorter than one block: nothing worth keeping together
             return None, "weighted"
         owner, depth = self.prefixes.owner(hashes)
@@ -209,18 +206,18 @@ class ModelRouter:
         self.prefixes.remember(hashes, chosen.backend)
         return chosen, reason
 
-    def _apply_rules(self, alias: str, spec, facts: RequestFacts, targets: list[Target], fallbacks: list[str]):
+    def _apply_rules(self, alias: str, spec, facts: RequestFacts, hashes: list[bytes], targets: list[Target],
+                     fallbacks: list[str]):
         """The version's rules over each (request, target): exclusions drop targets (and
         fallbacks), scores keep only the best-scored targets. Refuses the request, with every
         reason, when no target is left."""
-        rules = rules_named(spec.rules)
-        hashes = PrefixIndex.chain(prompt := facts.prompt, spec.prefix_aware or PrefixAware())
-        request = {"tenant": facts.tenant, "tier": facts.tier, "model": alias, "prompt_chars": len(prompt),
-                   "prompt_tokens": len(prompt) // 4, "max_tokens": facts.max_tokens, "stream": facts.stream,
+        ruleset = rules.named(spec.rules)
+        request = {"tenant": facts.tenant, "tier": facts.tier, "model": alias, "prompt_chars": len(facts.prompt),
+                   "prompt_tokens": len(facts.prompt) // 4, "max_tokens": facts.max_tokens, "stream": facts.stream,
                    "shared_prefix": self.prefixes.owner(hashes)[1] > 0}
         excluded, scored = [], {}
         for name in dict.fromkeys([t.backend for t in targets] + fallbacks):
-            fired = rules.evaluate({"request": request, "target": self._target_facts(name, spec)})
+            fired = ruleset.evaluate({"request": request, "target": self._target_facts(name, spec)})
             if stop := next((f for f in fired if f.rule.kind == "exclude"), None):
                 excluded.append(f"{stop.rule.id}: {stop.reason}")
                 continue

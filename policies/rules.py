@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Literal
 
@@ -117,6 +118,16 @@ class RuleSet:
             if matched:
                 fired.append(Fired(rule, render(rule.reason, context)))
         return fired
+
+
+@cache
+def named(name: str) -> RuleSet:
+    """A shipped rules file by name (policies/rules/<name>.yaml), loaded and checked once."""
+    path = RULES / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in RULES.glob("*.yaml")))
+        raise RuleError(f"no rules file {name!r} in policies/rules (known: {known})")
+    return RuleSet.load(path)
 
 
 def references(expression: str) -> set[str]:
