@@ -125,16 +125,11 @@ class LlamaCppServerBackend(OpenAICompatBackend):
             str(m.get("content") or "") for m in request.messages or ())
         path, body = ("/extras/tokenize/count", {"input": text}) if self.python_server \
             else ("/tokenize", {"content": text})
-        answer = None
-        for _ in range(2):  # the server drops the connection of the failed stream: a pooled one may be dead
-            try:
-                async with self.client.post(path, json=body, timeout=aiohttp.ClientTimeout(total=30)) as response:
-                    answer = await response.json(content_type=None)
-                break
-            except aiohttp.ClientConnectionError:  # reset or disconnected: once more, on a fresh connection
-                continue
-            except (aiohttp.ClientError, TimeoutError, ValueError):
-                return error
+        try:  # the server dropped the failed stream's connection: _post retries a dead pooled one
+            async with await self._post(path, body, timeout=aiohttp.ClientTimeout(total=30)) as response:
+                answer = await response.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return error
         count = answer.get("count", len(answer.get("tokens") or ())) if isinstance(answer, dict) else 0
         if request.prompt_token_ids is not None:
             count = len(request.prompt_token_ids)

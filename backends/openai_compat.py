@@ -147,15 +147,15 @@ class OpenAICompatBackend(Backend):
     def error_for_status(self, status: int, body: bytes) -> BackendError:
         return error_from_status(status, body)
 
-    async def _post(self, path: str, body: dict) -> aiohttp.ClientResponse:
+    async def _post(self, path: str, body: dict, **options) -> aiohttp.ClientResponse:
         """POST; once more if a pooled keep-alive connection turns out to be dead before any answer
         (servers close idle ones, and some, like llama-cpp-python's, close one after an error)."""
         try:
-            return await self.client.post(path, json=body)
+            return await self.client.post(path, json=body, **options)
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
             if isinstance(exc, aiohttp.ClientConnectorError):  # refused: no stale connection, a down server
                 raise
-            return await self.client.post(path, json=body)
+            return await self.client.post(path, json=body, **options)
 
     # -- introspection ----------------------------------------------------------------------
     async def _model_max_len(self) -> int:
