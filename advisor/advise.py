@@ -112,7 +112,7 @@ class Report:
 def advise(model: ModelSpec, hardware: Hardware, gpus: int, workload: Workload, derates: Derates | None = None,
            runtimes: list[str] | None = None) -> Report:
     workload.check()
-    derates = derates or Derates()
+    derates = derates or default_derates(hardware)
     if gpus < 1:
         raise ImpossibleRequest("--gpus must be at least 1")
     if not hardware.gpu and gpus > 1:
@@ -134,6 +134,12 @@ def advise(model: ModelSpec, hardware: Hardware, gpus: int, workload: Workload, 
     return Report(model=_model_facts(model), hardware=asdict(hardware) | {"gpus": gpus},
                   workload=asdict(workload), assumptions=asdict(derates) | _memory_assumptions(hardware),
                   candidates=candidates, summary=summary)
+
+
+def default_derates(hardware: Hardware) -> Derates:
+    """The published derates turn datasheet peaks into what kernels reach; a measured machine's
+    bandwidth (`local`) is already what a kernel reached, so it is not derated again."""
+    return Derates(bandwidth=1.0) if hardware.measured else Derates()
 
 
 def _what_would_fit(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: Workload) -> str:

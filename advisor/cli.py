@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .advise import ImpossibleRequest, Report, Workload, advise
+from .advise import ImpossibleRequest, Report, Workload, advise, default_derates
 from .capacity import Derates, MissingArchitectureField
 from .hardware import UnknownHardware, catalogue
 from .hardware import resolve as resolve_hardware
@@ -52,9 +52,12 @@ def advise_command(
     tflops: Annotated[float | None, typer.Option(help="Dense TFLOPS per device, where the catalogue has none "
                                                       "(Apple GPUs) or to correct it.")] = None,
     bandwidth_gbs: Annotated[float | None, typer.Option(help="Memory bandwidth per device, GB/s.")] = None,
-    derate_bandwidth: Annotated[float, typer.Option(help="Share of peak bandwidth reached.")] = Derates.bandwidth,
-    derate_prefill: Annotated[float, typer.Option(help="Share of peak FLOPS in prefill.")] = Derates.prefill_compute,
-    derate_decode: Annotated[float, typer.Option(help="Share of peak FLOPS in decode.")] = Derates.decode_compute,
+    derate_bandwidth: Annotated[float | None, typer.Option(
+        help=f"Share of peak bandwidth reached (default {Derates.bandwidth}; 1 for `local`, measured).")] = None,
+    derate_prefill: Annotated[float | None, typer.Option(help=f"Share of peak FLOPS in prefill (default "
+                                                             f"{Derates.prefill_compute}).")] = None,
+    derate_decode: Annotated[float | None, typer.Option(help=f"Share of peak FLOPS in decode (default "
+                                                            f"{Derates.decode_compute}).")] = None,
     measure: Annotated[list[str] | None, typer.Option(
         help="RUNTIME=URL[@MODEL] of a running candidate: benchmark it with `servegate bench` on this workload; "
              "repeatable.")] = None,
@@ -79,7 +82,7 @@ def advise_command(
         prompt_tokens, output_tokens = _trace_sizes(trace)
     try:
         spec = resolve_model(model)
-        device = resolve_hardware(hardware)
+        device = resolve_hardware(hardware, row_width=spec.hidden_size or 4096)
         device = replace(device, bf16_tflops=tflops or device.bf16_tflops,
                          bandwidth_gbs=bandwidth_gbs or device.bandwidth_gbs)
         load = Workload(kind=workload, prompt_tokens=prompt_tokens, output_tokens=output_tokens,
@@ -87,7 +90,9 @@ def advise_command(
                         slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, kv_cache_dtype=kv_cache_dtype,
                         weight_quant=weight_quant, new_deployment=new_deployment,
                         existing_tgi=not new_deployment, offline=offline, expert_parallel=expert_parallel)
-        report = advise(spec, device, gpus, load, Derates(derate_bandwidth, derate_prefill, derate_decode),
+        overrides = {"bandwidth": derate_bandwidth, "prefill_compute": derate_prefill, "decode_compute": derate_decode}
+        derates = replace(default_derates(device), **{k: v for k, v in overrides.items() if v is not None})
+        report = advise(spec, device, gpus, load, derates,
                         runtimes.split(",") if runtimes else None)
     except (UnknownModel, UnknownHardware, MissingArchitectureField, ImpossibleRequest, FileNotFoundError) as exc:
         console.print(f"[red]error:[/red] {exc}")

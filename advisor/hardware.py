@@ -34,6 +34,7 @@ class Hardware:
     interconnect: str = ""
     source: str = ""
     note: str = ""
+    measured: bool = False  # figures read off this machine, not a datasheet
 
     @property
     def gpu(self) -> bool:
@@ -53,9 +54,10 @@ def catalogue() -> dict[str, Hardware]:
             for key, entry in data["devices"].items()}
 
 
-def resolve(hardware: str) -> Hardware:
+def resolve(hardware: str, row_width: int = 4096) -> Hardware:
+    """A catalogue device, or `local` measured with matrix rows `row_width` wide (the model's hidden size)."""
     if hardware == "local":
-        return local()
+        return local(row_width)
     devices = catalogue()
     if hardware.lower() in devices:
         return devices[hardware.lower()]
@@ -65,21 +67,26 @@ def resolve(hardware: str) -> Hardware:
 
 
 @cache
-def local() -> Hardware:
-    """This machine's CPU: memory from the OS; bandwidth as decode sees it, from a matrix-vector
-    product over a 256 MiB float32 matrix (far beyond the caches); FLOPS from a float32 matmul;
-    both across the threads PyTorch uses, best of a few runs."""
+def local(row_width: int = 4096) -> Hardware:
+    """This machine's CPU. Memory from the OS. Bandwidth as decode sees it: matrix-vector products
+    over 256 MiB of float32 matrices (far beyond the caches) whose rows are `row_width` wide, the
+    model's hidden size, because a CPU's matrix-vector kernel streams short rows at as little as
+    half the rate of long ones. FLOPS from a float32 matmul. Both across the threads PyTorch uses,
+    best of a few runs. The bandwidth is what a real kernel reached, so the advisor does not derate it."""
     import torch
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    weights, vector = torch.randn(8192, 8192), torch.randn(8192)
-    matvec = _best(lambda: torch.mv(weights, vector))
+    rows = max(1, 2**22 // row_width)  # 16 MiB matrices, layer-sized
+    matrices = [torch.randn(rows, row_width) for _ in range(max(1, 2**28 // (rows * row_width * 4)))]
+    vector = torch.randn(row_width)
+    matvec = _best(lambda: [torch.mv(m, vector) for m in matrices])
     a = torch.randn(1024, 1024)
     matmul = _best(lambda: torch.mm(a, a))
     family = "cpu-arm" if platform.machine().lower() in ("arm64", "aarch64") else "cpu-x86"
     return Hardware(id="local", name=f"this machine ({os.cpu_count()} CPUs, measured)", vendor="cpu", family=family,
-                    memory_gib=memory / 2**30, bandwidth_gbs=weights.nbytes / matvec / 1e9,
-                    bf16_tflops=2 * 1024**3 / matmul / 1e12, source="measured: float32 matrix-vector and matmul")
+                    memory_gib=memory / 2**30, bandwidth_gbs=sum(m.nbytes for m in matrices) / matvec / 1e9,
+                    bf16_tflops=2 * 1024**3 / matmul / 1e12, measured=True,
+                    source=f"measured: float32 matrix-vector products with {row_width}-wide rows, float32 matmul")
 
 
 def _best(work, runs: int = 5) -> float:

@@ -38,6 +38,7 @@ class ModelSpec:
     params_active: float
     max_context: int
     attention_dim: int  # query heads x head dim, for prefill attention FLOPs
+    hidden_size: int  # the width of most decode matrix-vector rows; 0 when the config lacks it
     checkpoint_format: str  # bf16, fp8, mxfp4, or a GGUF type
     weights_bytes: float | None = None  # exact, when read from the weight files
     source: str = ""
@@ -99,7 +100,8 @@ def _from_config(name: str, cfg: dict, source: str, total: float | None = None, 
         checkpoint = _FILE_DTYPES.get(max(exact.params_by_format, key=exact.params_by_format.get))
     fmt = checkpoint or _DTYPES.get(str(text.get("torch_dtype") or cfg.get("torch_dtype") or "bfloat16"), "bf16")
     return ModelSpec(name, ARCHITECTURES.get(text.get("model_type", ""), ""), arch, float(total), float(active),
-                     int(context), heads * query_dim, fmt, exact.bytes if exact else None, source)
+                     int(context), heads * query_dim, int(text.get("hidden_size") or text.get("n_embd") or 0), fmt,
+                     exact.bytes if exact else None, source)
 
 
 def _experts(cfg: dict) -> int:

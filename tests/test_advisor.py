@@ -96,6 +96,33 @@ def test_weights_estimate_within_2_percent_of_real_files(default_model_dir):
     assert abs(total * 4 - on_disk) / on_disk < 0.02  # float32 on disk
 
 
+def test_a_measured_machine_is_read_at_the_models_row_width_and_not_derated_again():
+    """`local` measures matrix-vector bandwidth with rows as wide as the model's hidden size, and a
+    measured figure is what a kernel reached already: the decode estimate divides by it undiluted,
+    where a datasheet figure gets the published 0.8."""
+    from dataclasses import replace
+
+    from backends.builtin.loader import default_model_path
+
+    gguf = str(default_model_path())
+    assert resolve(gguf).hidden_size == 576 and resolve("Qwen/Qwen3-32B").hidden_size == 5120
+    result = CliRunner().invoke(app, ["advise", "--model", gguf, "--hardware", "local", "--runtimes", "llama-cpp",
+                                      "--format", "json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert "576-wide rows" in report["hardware"]["source"] and report["hardware"]["measured"]
+    assert report["assumptions"]["bandwidth"] == 1.0
+    datasheet = replace(hardware("cpu-x86"), bf16_tflops=1000.0)  # memory-bound decode
+    measured = replace(datasheet, measured=True)
+    load = Workload(prompt_tokens=64, output_tokens=32, concurrency=1)
+
+    def decode(device) -> float:
+        return advise(resolve(gguf), device, 1, load, runtimes=["llama-cpp"]).candidates[0].estimates[
+            "decode_tokens_per_s_single"]
+
+    assert decode(measured) / decode(datasheet) == pytest.approx(1 / 0.8)
+
+
 def test_a_config_missing_a_field_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64,
                                                       "num_attention_heads": 4, "vocab_size": 10}))

@@ -216,3 +216,16 @@ def test_bench_drives_a_backend_in_process(tiny_model_dir, tmp_path):
     assert data["completed"] == 4 and data["total_output_tokens"] == 12
     # The second turn of each conversation carries the first turn and its reply: longer prompts, cache hits.
     assert data["total_cached_tokens"] > 0 and data["kv_blocks_total"] > 0
+
+
+def test_bench_drives_llama_cpp_in_process(tmp_path):
+    """llama-cpp-python in process, as its server runs it (one instance on every core)."""
+    out = tmp_path / "llama.json"
+    result = CliRunner().invoke(app, ["bench", "--backend", "llama-cpp", "--num-prompts", "2", "--random-input-len",
+                                      "16", "--random-output-len", "4", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["target"] == "llama-cpp" and data["completed"] == 2 and data["failed"] == 0
+    assert data["total_output_tokens"] > 0 and data["median_ttft_ms"] > 0
+    result = CliRunner().invoke(app, ["bench", "--backend", "vllm"])
+    assert result.exit_code == 2 and "unknown backend" in result.output

@@ -46,15 +46,30 @@ def load_tokenizer(path: str | None):
     return AutoTokenizer.from_pretrained(gguf_to_hf_dir(source) if source.suffix == ".gguf" else source)
 
 
+def _builtin(model: str):
+    from backends.builtin import BuiltinBackend, EngineConfig
+
+    return BuiltinBackend(EngineConfig(model=model))
+
+
+def _llama_cpp(model: str):
+    """One `Llama` on every core, as llama-cpp-python's server runs it."""
+    from backends.llamacpp import LlamaCppBackend, LlamaCppConfig
+
+    return LlamaCppBackend(LlamaCppConfig(model=model, slots=1))
+
+
+IN_PROCESS = {"builtin": _builtin, "llama-cpp": _llama_cpp}
+
+
 def make_target(target: str | None, protocol: str, backend: str | None, model: str | None, api_key: str | None):
     from .targets import BackendTarget, OpenAITarget, TGITarget
 
     if backend:
-        if backend != "builtin":
-            raise typer.BadParameter(f"unknown backend {backend!r} (available: builtin)", param_hint="--backend")
-        from backends.builtin import BuiltinBackend, EngineConfig
-
-        return BackendTarget(BuiltinBackend(EngineConfig(model=model or "")))
+        if backend not in IN_PROCESS:
+            raise typer.BadParameter(f"unknown backend {backend!r} (available: {', '.join(IN_PROCESS)})",
+                                     param_hint="--backend")
+        return BackendTarget(IN_PROCESS[backend](model or ""))
     if not target:
         raise typer.BadParameter("give --target URL or --backend NAME", param_hint="--target")
     if protocol == "tgi":
@@ -136,7 +151,8 @@ def print_comparison(results: dict[str, dict], names: list[str]) -> None:
 def bench(
     target: Annotated[str | None, typer.Option(help="Base URL of the server to measure.")] = None,
     protocol: Annotated[str, typer.Option(help="openai (/v1/completions) | tgi (/generate_stream)")] = "openai",
-    backend: Annotated[str | None, typer.Option(help="Measure a backend in process instead (builtin).")] = None,
+    backend: Annotated[str | None, typer.Option(
+        help="Measure a backend in process instead: builtin, llama-cpp (--model: its weights).")] = None,
     model: Annotated[str | None, typer.Option(help="Model id to ask for (default: the server's first).")] = None,
     api_key: Annotated[str | None, typer.Option(help="Bearer key for the target.")] = None,
     tokenizer: Annotated[str | None, typer.Option(help="Tokenizer for generated prompts (HF dir or GGUF).")] = None,
