@@ -33,12 +33,11 @@ def bound_ms(engine: LLMEngine, batch: int, context: int, repeat: int) -> tuple[
     dtype = engine.runner.dtype
     x = torch.randn(batch, cfg.hidden_size, dtype=dtype)
     h = torch.randn(batch, cfg.intermediate_size, dtype=dtype)
-    layer = model.model.layers[0]
-    attn, mlp = layer.self_attn, layer.mlp
 
     @torch.inference_mode()
-    def gemms():
-        for _ in range(cfg.num_hidden_layers):
+    def gemms():  # every layer's own weights: one layer's would stay in the CPU's last-level cache
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_proj(x), attn.o_proj(x), mlp.gate_up_proj(x), mlp.down_proj(h)
         model.lm_head(x)
 
