@@ -242,7 +242,8 @@ def memory_plan(capacity: float, weights: float, kv_per_token: float, context: i
 class Derates:
     """Shares of the datasheet peaks a real kernel reaches: bandwidth 0.8 (AIConfigurator's
     mem_bw_empirical_scaling_factor), prefill compute 0.45 and decode compute 0.30
-    (llm-optimizer's mfu_prefill / mfu_decode). Assumptions, not facts: override them."""
+    (llm-optimizer's mfu_prefill / mfu_decode). Assumptions, not facts: override them. A
+    measured bandwidth is already what a kernel reached: `advise.default_derates` leaves it whole."""
     bandwidth: float = 0.8
     prefill_compute: float = 0.45
     decode_compute: float = 0.30

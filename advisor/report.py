@@ -70,7 +70,9 @@ def to_markdown(report: Report) -> str:
             lines.append(f"- launch: {c.launch['note']}")
     a = report.assumptions
     lines += ["", "## Assumptions", "",
-              f"- Roofline derates: bandwidth x{a['bandwidth']}, prefill compute x{a['prefill_compute']}, decode "
+              f"- Roofline derates: bandwidth x{a['bandwidth']}"
+              f"{' (measured on this machine)' if report.hardware.get('measured') else ''}, "
+              f"prefill compute x{a['prefill_compute']}, decode "
               f"compute x{a['decode_compute']} (override with --derate-*).",
               f"- Reserved memory: {a['reserved']}.",
               "- Estimates ignore queueing and prefill/decode interference: confirm with `--measure`."]

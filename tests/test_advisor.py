@@ -106,12 +106,13 @@ def test_a_measured_machine_is_read_at_the_models_row_width_and_not_derated_agai
 
     gguf = str(default_model_path())
     assert resolve(gguf).hidden_size == 576 and resolve("Qwen/Qwen3-32B").hidden_size == 5120
-    result = CliRunner().invoke(app, ["advise", "--model", gguf, "--hardware", "local", "--runtimes", "llama-cpp",
-                                      "--format", "json"])
+    args = ["advise", "--model", gguf, "--hardware", "local", "--runtimes", "llama-cpp", "--format"]
+    result = CliRunner().invoke(app, [*args, "json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert "576-wide rows" in report["hardware"]["source"] and report["hardware"]["measured"]
     assert report["assumptions"]["bandwidth"] == 1.0
+    assert "bandwidth x1.0 (measured on this machine)" in CliRunner().invoke(app, [*args, "md"]).stdout
     datasheet = replace(hardware("cpu-x86"), bf16_tflops=1000.0)  # memory-bound decode
     measured = replace(datasheet, measured=True)
     load = Workload(prompt_tokens=64, output_tokens=32, concurrency=1)
