@@ -82,7 +82,7 @@ def advise_command(
         prompt_tokens, output_tokens = _trace_sizes(trace)
     try:
         spec = resolve_model(model)
-        device = resolve_hardware(hardware, row_width=spec.hidden_size or 4096)
+        device = resolve_hardware(hardware, row_width=spec.hidden_size)
         device = replace(device, bf16_tflops=tflops or device.bf16_tflops,
                          bandwidth_gbs=bandwidth_gbs or device.bandwidth_gbs)
         load = Workload(kind=workload, prompt_tokens=prompt_tokens, output_tokens=output_tokens,

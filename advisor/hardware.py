@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 CATALOG = Path(__file__).resolve().parent.parent / "policies" / "catalog" / "hardware.yaml"
+ROW_WIDTH = 4096  # `local`'s matrix rows when the model's hidden size is unknown
 
 
 class UnknownHardware(ValueError):
@@ -54,10 +55,10 @@ def catalogue() -> dict[str, Hardware]:
             for key, entry in data["devices"].items()}
 
 
-def resolve(hardware: str, row_width: int = 4096) -> Hardware:
+def resolve(hardware: str, row_width: int = 0) -> Hardware:
     """A catalogue device, or `local` measured with matrix rows `row_width` wide (the model's hidden size)."""
     if hardware == "local":
-        return local(row_width)
+        return local(row_width or ROW_WIDTH)
     devices = catalogue()
     if hardware.lower() in devices:
         return devices[hardware.lower()]
@@ -67,7 +68,7 @@ def resolve(hardware: str, row_width: int = 4096) -> Hardware:
 
 
 @cache
-def local(row_width: int = 4096) -> Hardware:
+def local(row_width: int = ROW_WIDTH) -> Hardware:
     """This machine's CPU. Memory from the OS. Bandwidth as decode sees it: matrix-vector products
     over 256 MiB of float32 matrices (far beyond the caches) whose rows are `row_width` wide, the
     model's hidden size, because a CPU's matrix-vector kernel streams short rows at as little as
