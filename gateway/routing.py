@@ -161,14 +161,15 @@ class ModelRouter:
         # the prompt's chained block hashes, for prefix-aware choice and the rules' shared-prefix fact
         hashes = PrefixIndex.chain(facts.prompt, spec.prefix_aware or PrefixAware()) \
             if spec.rules or spec.prefix_aware else []
+        owner, depth = self.prefixes.owner(hashes)  # who served the longest known prefix, how many blocks
         ruled = ""
         if spec.rules:
-            targets, fallbacks, ruled = self._apply_rules(alias, spec, facts, hashes, targets, fallbacks)
+            targets, fallbacks, ruled = self._apply_rules(alias, spec, facts, depth > 0, targets, fallbacks)
         open_ = [t for t in targets if t.backend in self.down or not self.breakers[t.backend].allows(now)]
         ready = [t for t in targets if t not in open_]
         first, reason = None, "weighted"
         if ready and spec.prefix_aware is not None:
-            first, reason = self._by_prefix(ready, spec.prefix_aware, hashes)
+            first, reason = self._by_prefix(ready, spec.prefix_aware, hashes, owner, depth)
         if first is None and ready and spec.balance == "least-loaded":
             first = min(ready, key=lambda t: (self._waiting(t.backend), self._kv_usage(t.backend), -t.weight))
             reason = "least-loaded"
@@ -188,10 +189,9 @@ class ModelRouter:
                 seen[name] = self.by_name[name]
         return list(seen.values()), reason
 
-    def _by_prefix(self, ready, spec: PrefixAware, hashes: list[bytes]):
+    def _by_prefix(self, ready, spec: PrefixAware, hashes: list[bytes], owner: str | None, depth: int):
         if not hashes:  # shorter than one block: nothing worth keeping together
             return None, "weighted"
-        owner, depth = self.prefixes.owner(hashes)
         chosen = next((t for t in ready if t.backend == owner), None)
         least = min(self._waiting(t.backend) for t in ready)
         if chosen is not None and self._waiting(owner) - least <= spec.max_extra_waiting:
@@ -206,7 +206,7 @@ class ModelRouter:
         self.prefixes.remember(hashes, chosen.backend)
         return chosen, reason
 
-    def _apply_rules(self, alias: str, spec, facts: RequestFacts, hashes: list[bytes], targets: list[Target],
+    def _apply_rules(self, alias: str, spec, facts: RequestFacts, shared_prefix: bool, targets: list[Target],
                      fallbacks: list[str]):
         """The version's rules over each (request, target): exclusions drop targets (and
         fallbacks), scores keep only the best-scored targets. Refuses the request, with every
@@ -214,7 +214,7 @@ class ModelRouter:
         ruleset = rules.named(spec.rules)
         request = {"tenant": facts.tenant, "tier": facts.tier, "model": alias, "prompt_chars": len(facts.prompt),
                    "prompt_tokens": len(facts.prompt) // 4, "max_tokens": facts.max_tokens, "stream": facts.stream,
-                   "shared_prefix": self.prefixes.owner(hashes)[1] > 0}
+                   "shared_prefix": shared_prefix}
         excluded, scored = [], {}
         for name in dict.fromkeys([t.backend for t in targets] + fallbacks):
             fired = ruleset.evaluate({"request": request, "target": self._target_facts(name, spec)})
