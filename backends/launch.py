@@ -20,6 +20,8 @@ from typing import Literal
 
 import httpx
 
+from .cpu import for_this_cpu
+
 Runtime = Literal["vllm", "sglang", "llama-server", "tgi", "llama-cpp-python"]
 RUNTIMES: tuple[str, ...] = ("vllm", "sglang", "llama-server", "tgi", "llama-cpp-python")
 READY_PATH = {"vllm": "/health", "sglang": "/health", "llama-server": "/health", "tgi": "/health",
@@ -142,13 +144,13 @@ def _llama_cpp_python(s: LaunchSpec):
 def supervised(argv: list[str], url: str, ready_path: str, env: dict[str, str] | None = None,
                timeout_s: float = 600.0, headers: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
     """Run a server until the block ends; yields its process once `url + ready_path` answers 200.
-    Its output goes to a temporary log, quoted when it fails to start. Stops it with SIGTERM,
+    llama.cpp servers run with the kernels this CPU can run (`cpu.for_this_cpu`). Its output goes to a temporary log, quoted when it fails to start. Stops it with SIGTERM,
     then SIGKILL after a grace period."""
     import os
     import tempfile
 
     with tempfile.TemporaryFile("w+") as log:
-        process = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(for_this_cpu(argv), env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + timeout_s
             while True:

@@ -39,6 +39,7 @@ from .base import (
     UpstreamError,
     Usage,
 )
+from .cpu import llama_cpp_safe
 from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_for, message_of, pick
 from .tokenization import spans
 
@@ -187,6 +188,7 @@ class LlamaCppBackend(Backend):
         return self.config.served_name or self.path.stem
 
     async def start(self) -> None:
+        llama_cpp_safe()
         from llama_cpp import Llama
 
         c = self.config

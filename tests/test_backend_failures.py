@@ -6,13 +6,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
 
-from advisor.bench.baselines import free_port
+from advisor.bench.baselines import free_port, llama_cpp_command
 from backends.builtin.loader import default_model_path
+from backends.cpu import for_this_cpu
 from backends.llamacpp import LlamaCppServerBackend, llama_server_config
 
 from .conftest import AUTH, gateway_app, serve_app, wait_ready
@@ -21,9 +21,8 @@ from .conftest import AUTH, gateway_app, serve_app, wait_ready
 def test_killing_the_backend_mid_stream_ends_the_stream_with_an_error_event(tmp_path):
     port = free_port()
     upstream = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(default_model_path()),
-                               "--port", str(port), "--n_ctx", "2048", "--model_alias", "smollm2",
-                               "--interrupt_requests", "False"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    command = [*llama_cpp_command(default_model_path(), port, n_ctx=2048), "--model_alias", "smollm2"]
+    server = subprocess.Popen(for_this_cpu(command), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         backend = LlamaCppServerBackend(llama_server_config(upstream, "smollm2", python_server=True, max_context=2048))
         with serve_app(gateway_app({"smollm2": backend}, tmp_path)) as url:

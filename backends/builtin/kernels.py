@@ -1,17 +1,22 @@
 """The native paged-attention kernel, compiled on first use with `torch.utils.cpp_extension`.
 
-The build (about a minute, once per machine: torch caches it under ~/.cache/torch_extensions)
-needs a C++ compiler. Where it fails, `available()` says no, the reason is logged, and the
-engine keeps to the pure-PyTorch path.
+The build (about 30 s on 2 cores, once per machine: torch caches it under
+~/.cache/torch_extensions, under a name that carries the CPU's feature flags, since it is built
+for `-march=native`) needs a C++ compiler; its progress is logged every 10 s. Where it fails,
+`available()` says no, the reason is logged, and the engine keeps to the pure-PyTorch path.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
+import time
 from pathlib import Path
 
 import torch
+
+from ..cpu import cpu_flags
 
 log = logging.getLogger("servegate.kernels")
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
@@ -24,16 +29,30 @@ def _load():
     global _module, _failed
     with _lock:
         if _module is None and _failed is None:
+            started, done = time.monotonic(), threading.Event()
+            threading.Thread(target=_report_progress, args=(started, done), daemon=True).start()
             try:
                 from torch.utils.cpp_extension import load
 
+                machine = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
                 # -fopenmp: at::parallel_for is inline and runs serially in code built without it.
-                _module = load("servegate_paged_attention", [str(SOURCE)], extra_cflags=["-O3", "-march=native",
-                               "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                _module = load(f"servegate_paged_attention_{machine}", [str(SOURCE)],
+                               extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                               verbose=False)
             except Exception as exc:  # no compiler, no ninja, a failed build...
                 _failed = f"{type(exc).__name__}: {exc}"
                 log.warning("native paged attention unavailable, using the PyTorch path: %s", _failed)
+            finally:
+                done.set()
+            if _module is not None and time.monotonic() - started > 5:
+                log.info("native paged-attention kernel compiled in %.0f s", time.monotonic() - started)
     return _module
+
+
+def _report_progress(started: float, done: threading.Event) -> None:
+    while not done.wait(10):
+        log.info("compiling the native paged-attention kernel: %.0f s so far (once per machine, about 30 s; "
+                 "needs a C++ compiler)", time.monotonic() - started)
 
 
 def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:

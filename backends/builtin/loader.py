@@ -153,7 +153,7 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     weights = {}
     for name, tensor in tensors.items():
         array = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape.tolist())))
-        weight = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        weight = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))  # copies read-only memmaps
         if name == "rope_freqs.weight":  # llama3 scaling, stored as per-frequency divisors
             config["rope_freq_factors"] = weight.tolist()
             continue

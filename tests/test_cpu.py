@@ -1,0 +1,83 @@
+"""llama.cpp runs on every CPU kind of this project: where the CPU reports AMX that the hypervisor
+does not grant, llama.cpp's AMX kernels die with SIGILL (exit 132 of the whole test run), so the
+loading path skips llama.cpp's extra buffer types there. Each check runs llama.cpp in a child
+process, so a crash is an exit status the test reads, not the end of the test run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from backends import cpu
+
+GENERATE = """
+import asyncio
+from backends.base import Delta, GenerateRequest
+from backends.llamacpp import LlamaCppBackend, LlamaCppConfig
+
+async def main():
+    backend = LlamaCppBackend(LlamaCppConfig(slots=1, n_ctx=256))
+    await backend.start()
+    request = GenerateRequest(request_id="cpu", model="m", prompt="The three primary colors are", max_tokens=4)
+    text = "".join([e.text async for e in backend.generate(request) if isinstance(e, Delta)])
+    await backend.close()
+    assert text, "no text"
+    import llama_cpp.llama_cpp as native
+    print("use_extra_bufts", native.llama_model_default_params().use_extra_bufts)
+
+asyncio.run(main())
+"""
+
+
+def child(script: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_llama_cpp_loads_and_generates_on_this_cpu():
+    """The in-process backend's own loading path, as the gateway runs it: exit 0, never SIGILL."""
+    done = child(GENERATE)
+    assert done.returncode == 0, f"llama.cpp exited with {done.returncode}: {done.stderr[-2000:]}"
+    expected = not cpu.amx_reported_but_unusable()
+    assert f"use_extra_bufts {expected}" in done.stdout
+
+
+def test_where_amx_is_refused_llama_cpp_runs_without_extra_buffer_types():
+    """The guard's own path, forced on any machine: the model still loads and generates."""
+    forced = "import backends.cpu as cpu\ncpu.amx_reported_but_unusable = lambda: True\n" + GENERATE
+    done = child(forced)
+    assert done.returncode == 0, f"llama.cpp exited with {done.returncode}: {done.stderr[-2000:]}"
+    assert "use_extra_bufts False" in done.stdout
+
+
+def test_the_probe_never_claims_amx_the_cpu_does_not_report():
+    status = cpu.amx_probe()
+    if "amx_tile" not in cpu.cpu_flags():
+        assert status != 0 and not cpu.amx_reported_but_unusable()
+    else:  # reported: usable exactly when the probe ran every instruction
+        assert cpu.amx_reported_but_unusable() == (status != 0)
+
+
+@pytest.mark.parametrize("refused", [True, False])
+def test_server_command_lines_follow_the_verdict(monkeypatch, refused):
+    monkeypatch.setattr(cpu, "amx_reported_but_unusable", lambda: refused)
+    python = [sys.executable, "-m", "llama_cpp.server", "--model", "m.gguf"]
+    server = ["/opt/llama/bin/llama-server", "-m", "m.gguf"]
+    other = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    if refused:
+        assert cpu.for_this_cpu(python) == [sys.executable, "-m", "backends.cpu", "llama_cpp.server", "--model",
+                                            "m.gguf"]
+        assert cpu.for_this_cpu(server) == [*server, "--no-repack"]
+    else:
+        assert cpu.for_this_cpu(python) == python and cpu.for_this_cpu(server) == server
+    assert cpu.for_this_cpu(other) == other
+
+
+def test_llama_cpp_python_server_runs_under_the_guard():
+    """`python -m backends.cpu llama_cpp.server` is llama-cpp-python's own server, guarded."""
+    done = subprocess.run([sys.executable, "-m", "backends.cpu", "llama_cpp.server", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "--n_ctx" in done.stdout
