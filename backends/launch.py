@@ -101,7 +101,8 @@ def _tgi(s: LaunchSpec):
             *_opt("--max-total-tokens", s.context_length),
             *_opt("--num-shard", _tp(s)),
             *_opt("--kv-cache-dtype", TGI_KV.get(s.kv_cache_dtype or "")),
-            *_opt("--max-concurrent-requests", s.max_running_requests)]
+            # The running batch; TGI's --max-concurrent-requests is an admission limit (429 beyond it).
+            *_opt("--max-batch-size", s.max_running_requests)]
     # Prefix caching is no TGI flag: the PREFIX_CACHING environment variable (default true).
     return argv, {} if s.prefix_caching is None else {"PREFIX_CACHING": "1" if s.prefix_caching else "0"}
 
@@ -113,7 +114,10 @@ def _no_tensor_parallel(s: LaunchSpec, instead: str) -> None:
 
 def _llama_server(s: LaunchSpec):
     _no_tensor_parallel(s, "llama-server splits layers across GPUs with --split-mode/--tensor-split")
-    argv = ["llama-server", "-m", s.model, "--host", s.host, "--port", str(s.port), *_opt("-c", s.context_length),
+    # `-c` is the total context, split evenly among the `-np` slots (unless --kv-unified): give
+    # every slot the whole per-request context.
+    context = s.context_length * (s.max_running_requests or 1) if s.context_length else None
+    argv = ["llama-server", "-m", s.model, "--host", s.host, "--port", str(s.port), *_opt("-c", context),
             *_opt("-np", s.max_running_requests)]
     if s.kv_cache_dtype:
         # A quantized V cache needs flash attention in llama.cpp.

@@ -6,7 +6,10 @@ differs: llama-cpp-python's server has no `/health` (its model list answers inst
 usage in streams, reports a request that fails validation as a 500 ("1 validation error:
 ..."), which is the client's fault, not the server's, and answers a streamed prompt longer
 than its context with an empty 200 stream; the adapter then counts the prompt's tokens with
-the server's tokenizer to say what went wrong.
+the server's tokenizer, or asks it once more without streaming, to say what went wrong. A
+text prompt's tokens are counted by its `/extras/tokenize/count`. llama-server says a prompt
+does not fit with the error type `exceed_context_size_error` and answers `/health` with 503
+while it loads its model.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from .base import (
     Usage,
 )
 from .cpu import llama_cpp_safe
-from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_for, message_of, pick
+from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_for, error_parts
 from .tokenization import spans
 
 
@@ -85,10 +88,10 @@ class LlamaCppServerBackend(OpenAICompatBackend):
         default): the slots processing a request. llama-cpp-python's server has neither."""
         m = await self.scrape()
         if m or self.python_server:
-            return Load(running=int(m.get("llamacpp:requests_processing", 0)),
-                        waiting=int(m.get("llamacpp:requests_deferred", 0)),
-                        details=pick(m, prompt_tokens_total="llamacpp:prompt_tokens_total",
-                                     tokens_predicted_total="llamacpp:tokens_predicted_total"))
+            return Load(running=int(m.total("llamacpp:requests_processing")),
+                        waiting=int(m.total("llamacpp:requests_deferred")),
+                        details=m.pick(prompt_tokens_total="llamacpp:prompt_tokens_total",
+                                       tokens_predicted_total="llamacpp:tokens_predicted_total"))
         slots = await self.get_json("/slots", list)
         return Load(running=sum(bool(slot.get("is_processing")) for slot in slots),
                     details={"slots": float(len(slots))} if slots else {})
@@ -106,10 +109,14 @@ class LlamaCppServerBackend(OpenAICompatBackend):
         return spans(text, [t["id"] for t in tokens], pieces)
 
     def error_for_status(self, status: int, body: bytes) -> BackendError:
-        message = message_of(body)
+        message, kind = error_parts(body)
         if status == 500 and "validation error" in message:  # the client's fault, reported as the server's
             return InvalidRequest(message)
-        return error_for(status, message)
+        return error_for(status, message, kind)
+
+    def health_of(self, status: int) -> Health:
+        """llama-server answers 503 ("Loading model", `unavailable_error`) until its model is loaded."""
+        return Health.LOADING if status == 503 and not self.python_server else super().health_of(status)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         produced = False
@@ -123,24 +130,44 @@ class LlamaCppServerBackend(OpenAICompatBackend):
             raise await self._diagnose(request, exc) from exc
 
     async def _diagnose(self, request: GenerateRequest, error: UpstreamError) -> BackendError:
-        """Why a stream came back empty: a prompt too long for the context, or `error`."""
-        text = request.prompt if request.prompt is not None else " ".join(
-            str(m.get("content") or "") for m in request.messages or ())
-        path, body = ("/extras/tokenize/count", {"input": text}) if self.python_server \
-            else ("/tokenize", {"content": text})
+        """Why a stream came back empty: a prompt too long for the context, or `error`. Where the
+        context is unknown (llama-cpp-python's server says it nowhere), the request is asked once
+        more without streaming for one token: that answer carries the server's own error."""
+        context = (await self.capabilities()).max_context
         try:  # the server dropped the failed stream's connection: _post retries a dead pooled one
-            async with await self._post(path, body, timeout=aiohttp.ClientTimeout(total=30)) as response:
-                answer = await response.json(content_type=None)
+            if not context:
+                path, body = self._body(request)
+                body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False, "max_tokens": 1}
+                async with await self._post(path, body, timeout=aiohttp.ClientTimeout(total=60)) as response:
+                    failed = response.status >= 400
+                    return self.error_for_status(response.status, await response.read()) if failed else error
+            text = request.prompt if request.prompt is not None else " ".join(
+                str(m.get("content") or "") for m in request.messages or ())
+            count = len(request.prompt_token_ids) if request.prompt_token_ids is not None else await self._count(text)
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return error
-        count = answer.get("count", len(answer.get("tokens") or ())) if isinstance(answer, dict) else 0
-        if request.prompt_token_ids is not None:
-            count = len(request.prompt_token_ids)
-        context = (await self.capabilities()).max_context
-        if context and count + (request.max_tokens or 0) > context:
+        if count + (request.max_tokens or 0) > context:
             return ContextTooLong(f"the prompt has {count} tokens and max_tokens is {request.max_tokens}: "
                                   f"more than the model's context of {context} tokens", param="prompt")
         return error
+
+    async def _count(self, text: str) -> int:
+        """Tokens in `text` by the server's own tokenizer (with BOS where the model adds one)."""
+        path, body = ("/extras/tokenize/count", {"input": text}) if self.python_server \
+            else ("/tokenize", {"content": text, "add_special": True})
+        async with await self._post(path, body, timeout=aiohttp.ClientTimeout(total=30)) as response:
+            answer = await response.json(content_type=None)
+        return int(answer["count"]) if self.python_server else len(answer["tokens"])
+
+    async def count_prompt_tokens(self, request: GenerateRequest) -> int:
+        """llama-cpp-python's server sends no usage in streams: a text prompt is counted exactly by
+        its tokenizer (billing and quotas), a chat keeps the upper bound (its template is unknown here)."""
+        if self.python_server and request.prompt is not None:
+            try:
+                return await self._count(request.prompt)
+            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
+                pass  # the bound below still reserves enough
+        return await super().count_prompt_tokens(request)
 
 
 @dataclass

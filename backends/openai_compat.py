@@ -58,6 +58,10 @@ class OpenAICompatConfig:
 
 
 class OpenAICompatBackend(Backend):
+    # A runtime's own finish reasons, in OpenAI's words (TGI's chat route says `eos_token`...).
+    FINISH_REASONS: dict[str, str] = {}
+    HEALTH_TIMEOUT_S = 5.0
+
     def __init__(self, config: OpenAICompatConfig, name: str = "openai") -> None:
         self.name, self.config = name, config
         self._client: aiohttp.ClientSession | None = None
@@ -107,12 +111,13 @@ class OpenAICompatBackend(Backend):
         usage, pieces = None, 0
         async for chunk in self.stream_events(path, body):
             if "error" in chunk:
-                raise error_from_body(chunk, 502)
+                raise self.error_from_event(chunk)
             if chunk.get("usage"):
                 usage = usage_of(chunk["usage"])
             for choice in chunk.get("choices") or ():
                 text, extra = _choice_parts(choice)
                 index, reason = choice.get("index", 0), choice.get("finish_reason")
+                reason = self.FINISH_REASONS.get(reason, reason)
                 if reason and index < len(reasons):
                     reasons[index] = reason
                 if text or reason or extra:
@@ -147,6 +152,9 @@ class OpenAICompatBackend(Backend):
     def error_for_status(self, status: int, body: bytes) -> BackendError:
         return error_from_status(status, body)
 
+    def error_from_event(self, event: dict) -> BackendError:
+        return error_from_body(event)
+
     async def _post(self, path: str, body: dict, **options) -> aiohttp.ClientResponse:
         """POST; once more if a pooled keep-alive connection turns out to be dead before any answer
         (servers close idle ones, and some, like llama-cpp-python's, close one after an error)."""
@@ -174,11 +182,16 @@ class OpenAICompatBackend(Backend):
     async def health(self) -> Health:
         if self._client is None:
             return Health.LOADING
+        timeout = aiohttp.ClientTimeout(total=self.HEALTH_TIMEOUT_S)
         try:
-            async with self.client.get(self.config.health_path, timeout=aiohttp.ClientTimeout(total=5)) as response:
-                return Health.READY if response.status == 200 else Health.DOWN
+            async with self.client.get(self.config.health_path, timeout=timeout) as response:
+                return self.health_of(response.status)
         except (aiohttp.ClientError, TimeoutError):
             return Health.DOWN
+
+    def health_of(self, status: int) -> Health:
+        """The health route's status in our terms; vLLM's 503 means a dead engine."""
+        return Health.READY if status == 200 else Health.DOWN
 
     async def load(self) -> Load:
         return Load()
@@ -195,22 +208,47 @@ class OpenAICompatBackend(Backend):
             return kind()
         return answer if isinstance(answer, kind) else kind()
 
-    async def scrape(self, path: str = "/metrics") -> dict[str, float]:
-        """A Prometheus endpoint's samples by name, summed over their labels; {} if it has none."""
+    async def scrape(self, path: str = "/metrics") -> Samples:
+        """A Prometheus endpoint's samples; empty if it has none."""
         from prometheus_client.parser import text_string_to_metric_families
 
         try:
             async with self.client.get(path, timeout=aiohttp.ClientTimeout(total=10)) as response:
                 if response.status != 200:
-                    return {}
+                    return Samples()
                 text = await response.text()
         except (aiohttp.ClientError, TimeoutError):
-            return {}
-        figures: dict[str, float] = {}
+            return Samples()
+        samples = Samples()
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                figures[sample.name] = figures.get(sample.name, 0.0) + sample.value
-        return figures
+                samples.values.setdefault(sample.name, []).append(sample.value)
+        return samples
+
+
+@dataclass
+class Samples:
+    """A scrape: each sample name's values, one per label set. vLLM and SGLang label their gauges
+    per engine or data-parallel rank: counts and counters add up (`total`), fractions such as KV
+    usage average (`mean`)."""
+    values: dict[str, list[float]] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.values)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.values
+
+    def total(self, name: str) -> float:
+        return sum(self.values.get(name, ()))
+
+    def mean(self, name: str) -> float | None:
+        found = self.values.get(name)
+        return sum(found) / len(found) if found else None
+
+    def pick(self, **names: str) -> dict[str, float]:
+        """Totals under our names (`Load.details`), of those the server exposes."""
+        return {ours: self.total(theirs) for ours, theirs in names.items() if theirs in self}
 
 
 async def sse_data(content: aiohttp.StreamReader, idle_timeout: float) -> AsyncIterator[bytes]:
@@ -248,37 +286,49 @@ def _choice_parts(choice: dict) -> tuple[str, dict | None]:
     return delta.get("content") or "", extra or None
 
 
-def pick(figures: dict[str, float], **names: str) -> dict[str, float]:
-    """Scraped figures under our names (`Load.details`), those the server exposes."""
-    return {ours: figures[theirs] for ours, theirs in names.items() if theirs in figures}
-
-
 def usage_of(usage: dict) -> Usage:
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return Usage(usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0, cached)
 
 
-def message_of(body: bytes | str | dict) -> str:
-    """The human message of any runtime's error body: OpenAI's nested `{"error": {"message"}}`,
-    SGLang's flat `{"message"}`, TGI's `{"error": "..."}`, or plain text."""
+def error_parts(body: bytes | str | dict) -> tuple[str, str]:
+    """The human message and the error type of any runtime's error body: OpenAI's nested
+    `{"error": {"message", "type"}}`, SGLang's flat `{"message", "type"}`, TGI's
+    `{"error": "...", "error_type"}`, or plain text (no type)."""
     if not isinstance(body, dict):
         text = body.decode(errors="replace") if isinstance(body, bytes) else body
         try:
             body = json.loads(text)
         except ValueError:
-            return text[:500]
+            return text[:500], ""
         if not isinstance(body, dict):
-            return str(body)
+            return str(body), ""
     error = body.get("error", body)
-    return str(error.get("message", error)) if isinstance(error, dict) else str(error)
+    if isinstance(error, dict):
+        return str(error.get("message", error)), str(error.get("type") or "")
+    return str(error), str(body.get("error_type") or "")
 
 
-def error_for(status: int, message: str) -> BackendError:
-    """An HTTP status and its message, in the taxonomy."""
+def message_of(body: bytes | str | dict) -> str:
+    return error_parts(body)[0]
+
+
+# How runtimes say a prompt does not fit: vLLM and SGLang "... context length ...", TGI's
+# `validation.rs` (`MaxTotalTokens`, `InputLength`), llama-server's error type
+# (`tools/server/server-common.cpp` `ERROR_TYPE_EXCEED_CONTEXT_SIZE`).
+CONTEXT_WORDS = ("context length", "maximum context", "too long", "`inputs` tokens + `max_new_tokens` must be <=",
+                 "`inputs` must have less than")
+CONTEXT_TYPES = ("exceed_context_size_error",)
+
+
+def says_too_long(message: str, kind: str = "") -> bool:
+    return kind in CONTEXT_TYPES or any(words in message.lower() for words in CONTEXT_WORDS)
+
+
+def error_for(status: int, message: str, kind: str = "") -> BackendError:
+    """An HTTP status, its message and error type, in the taxonomy."""
     if status in (400, 422):
-        lowered = message.lower()
-        too_long = "context length" in lowered or "maximum context" in lowered or "too long" in lowered
-        return (ContextTooLong if too_long else InvalidRequest)(message)
+        return (ContextTooLong if says_too_long(message, kind) else InvalidRequest)(message)
     if status == 404:
         return ModelNotFound(message)
     if status in (429, 503):
@@ -289,11 +339,18 @@ def error_for(status: int, message: str) -> BackendError:
 
 
 def error_from_status(status: int, body: bytes | str) -> BackendError:
-    return error_for(status, message_of(body))
+    return error_for(status, *error_parts(body))
 
 
-def error_from_body(event: dict, status: int) -> BackendError:
-    """An error sent as a stream event; its own `code` (vLLM) or `http_status_code` (TGI) wins."""
+def error_from_body(event: dict) -> BackendError:
+    """An error sent as a stream event on a 200 stream. Its own `code` (vLLM) or
+    `http_status_code` (TGI's chat route) wins; without one (SGLang's native `/generate`), a
+    client error is told by its type or by a prompt that does not fit; anything else is the
+    upstream's failure (502)."""
+    message, kind = error_parts(event)
     detail = event.get("error") if isinstance(event.get("error"), dict) else {}
-    code = detail.get("code") or detail.get("http_status_code")
-    return error_for(int(code) if str(code).isdigit() else status, message_of(event))
+    code = str(detail.get("code") or detail.get("http_status_code") or "")
+    if code.isdigit():
+        return error_for(int(code), message, kind)
+    client_error = kind == "invalid_request_error" or says_too_long(message, kind)
+    return error_for(400 if client_error else 502, message, kind)

@@ -16,10 +16,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from .base import Capabilities, Delta, Event, Finish, GenerateRequest, Load, UpstreamError, Usage
-from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_from_body, pick
+from .openai_compat import OpenAICompatBackend, OpenAICompatConfig
 
 
 class SGLangBackend(OpenAICompatBackend):
+    # `/health` runs a one-token generation and waits up to SGLANG_HEALTH_CHECK_TIMEOUT (20 s) for
+    # it (`http_server.py`): under load that is no sign of a dead server.
+    HEALTH_TIMEOUT_S = 25.0
+
     def __init__(self, config: OpenAICompatConfig, name: str = "sglang", native: bool = False,
                  incremental: bool = False) -> None:
         config.runtime = "sglang"
@@ -42,7 +46,7 @@ class SGLangBackend(OpenAICompatBackend):
         sent, meta = "", {}
         async for chunk in self.stream_events("/generate", body):
             if "error" in chunk:
-                raise error_from_body(chunk, 502)
+                raise self.error_from_event(chunk)
             text, meta = chunk.get("text", ""), chunk.get("meta_info") or {}
             piece = text if self.incremental else text[len(sent):]
             sent = sent + piece if self.incremental else text
@@ -70,11 +74,11 @@ class SGLangBackend(OpenAICompatBackend):
     async def load(self) -> Load:
         m = await self.scrape()  # empty unless the server runs with --enable-metrics
         return Load(
-            running=int(m.get("sglang:num_running_reqs", 0)), waiting=int(m.get("sglang:num_queue_reqs", 0)),
-            kv_usage=m.get("sglang:token_usage", 0.0), prefix_hit_rate=m.get("sglang:cache_hit_rate"),
-            details=pick(m, prompt_tokens_total="sglang:prompt_tokens_total",
-                         cached_tokens_total="sglang:cached_tokens_total",
-                         generation_tokens_total="sglang:generation_tokens_total"),
+            running=int(m.total("sglang:num_running_reqs")), waiting=int(m.total("sglang:num_queue_reqs")),
+            kv_usage=m.mean("sglang:token_usage") or 0.0, prefix_hit_rate=m.mean("sglang:cache_hit_rate"),
+            details=m.pick(prompt_tokens_total="sglang:prompt_tokens_total",
+                           cached_tokens_total="sglang:cached_tokens_total",
+                           generation_tokens_total="sglang:generation_tokens_total"),
         )
 
     async def flush_cache(self) -> bool:

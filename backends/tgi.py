@@ -27,7 +27,7 @@ from .base import (
     UpstreamError,
     Usage,
 )
-from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_from_status, message_of, pick
+from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_from_status, message_of, says_too_long
 
 FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 
@@ -35,15 +35,15 @@ FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "sto
 def tgi_error(error_type: str | None, message: str) -> BackendError:
     """TGI's error types (`infer/mod.rs` `error_type()`) in the taxonomy."""
     if error_type in ("validation", "template_error", "missing_template_variable", "tool_error"):
-        lowered = message.lower()
-        too_long = ("must be <=" in message and "tokens" in message) or "context length" in lowered
-        return (ContextTooLong if too_long else InvalidRequest)(message)
+        return (ContextTooLong if says_too_long(message) else InvalidRequest)(message)
     if error_type == "overloaded":
         return Overloaded(message)
     return UpstreamError(f"TGI {error_type or 'error'}: {message}")
 
 
 class TGIBackend(OpenAICompatBackend):
+    FINISH_REASONS = FINISH_REASONS
+
     def __init__(self, config: OpenAICompatConfig, name: str = "tgi") -> None:
         super().__init__(config, name)
         self._info: dict = {}
@@ -63,6 +63,14 @@ class TGIBackend(OpenAICompatBackend):
             return tgi_error(parsed["error_type"], message_of(parsed))
         return error_from_status(status, body)
 
+    def _body(self, request: GenerateRequest) -> tuple[str, dict]:
+        """The chat route validates like `/generate`: `top_p` must be < 1 (`validation.rs`
+        `ValidationError::TopP`, TGI issue #2222), so 1.0, no cut, is said by leaving it out."""
+        path, body = super()._body(request)
+        if body.get("top_p") == 1.0:
+            del body["top_p"]
+        return path, body
+
     async def _model_max_len(self) -> int:
         return 0  # TGI says it in /info, read at start
 
@@ -71,8 +79,8 @@ class TGIBackend(OpenAICompatBackend):
                   "stop": list(request.stop)}
         if request.temperature >= 1e-5:  # TGI is greedy unless asked to sample
             params |= {"do_sample": True, "temperature": request.temperature,
-                       # TGI wants top_p < 1: 1.0 (no cut) is said by leaving it out
-                       "top_p": None if request.top_p == 1.0 else request.top_p, "top_k": request.top_k or None}
+                       "top_p": None if request.top_p == 1.0 else request.top_p,  # as in `_body`
+                       "top_k": request.top_k or None}
         return {k: v for k, v in params.items() if v is not None}
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
@@ -87,7 +95,7 @@ class TGIBackend(OpenAICompatBackend):
         body = {"inputs": request.prompt, "parameters": self._parameters(request)}
         async for event in self.stream_events("/generate_stream", body):
             if "error" in event:
-                raise tgi_error(event.get("error_type"), str(event["error"]))
+                raise tgi_error(event.get("error_type"), message_of(event))
             token = event.get("token") or {}
             text = "" if token.get("special") else token.get("text", "")
             details = event.get("details")
@@ -111,8 +119,8 @@ class TGIBackend(OpenAICompatBackend):
     async def load(self) -> Load:
         """From TGI's `tgi_*` metrics: the running batch and the queue."""
         m = await self.scrape()
-        return Load(running=int(m.get("tgi_batch_current_size", 0)), waiting=int(m.get("tgi_queue_size", 0)),
-                    details=pick(m, batch_current_max_tokens="tgi_batch_current_max_tokens"))
+        return Load(running=int(m.total("tgi_batch_current_size")), waiting=int(m.total("tgi_queue_size")),
+                    details=m.pick(batch_current_max_tokens="tgi_batch_current_max_tokens"))
 
     async def capabilities(self) -> Capabilities:
         return Capabilities(runtime="tgi", version=str(self._info.get("version", "")),

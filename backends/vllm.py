@@ -8,7 +8,7 @@ limits refuse one (so clients retry elsewhere)."""
 from __future__ import annotations
 
 from .base import Capabilities, Load, TokenSpan
-from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, pick
+from .openai_compat import OpenAICompatBackend, OpenAICompatConfig
 from .tokenization import spans, vocabulary_bytes
 
 
@@ -40,12 +40,12 @@ class VLLMBackend(OpenAICompatBackend):
 
     async def load(self) -> Load:
         m = await self.scrape()
-        queries = m.get("vllm:prefix_cache_queries_total", 0.0)
+        queries = m.total("vllm:prefix_cache_queries_total")
         return Load(
-            running=int(m.get("vllm:num_requests_running", 0)), waiting=int(m.get("vllm:num_requests_waiting", 0)),
-            kv_usage=m.get("vllm:kv_cache_usage_perc", 0.0),
-            prefix_hit_rate=m.get("vllm:prefix_cache_hits_total", 0.0) / queries if queries else None,
-            details=pick(m, preemptions_total="vllm:num_preemptions_total",
-                         prompt_tokens_total="vllm:prompt_tokens_total",
-                         generation_tokens_total="vllm:generation_tokens_total"),
+            running=int(m.total("vllm:num_requests_running")), waiting=int(m.total("vllm:num_requests_waiting")),
+            kv_usage=m.mean("vllm:kv_cache_usage_perc") or 0.0,
+            prefix_hit_rate=m.total("vllm:prefix_cache_hits_total") / queries if queries else None,
+            details=m.pick(preemptions_total="vllm:num_preemptions_total",
+                           prompt_tokens_total="vllm:prompt_tokens_total",
+                           generation_tokens_total="vllm:generation_tokens_total"),
         )

@@ -9,9 +9,13 @@ from advisor.bench import stub
 
 
 def replay(fixture: dict, seen: list | None = None):
-    """An ASGI app answering as the fixture says: a too-long prompt and a top_p above 1 get the
-    runtime's own errors; generations stream the recorded chunks, cut where a requested stop
-    string appears (finish reason `stop`), as the runtime would. Request bodies go to `seen`."""
+    """An ASGI app answering as the fixture says: a too-long prompt and a top_p above 1 (at 1 or
+    above where the fixture says `top_p_below_one`, as TGI) get the runtime's own errors, a
+    route's own (`"POST /generate_stream context_too_long"`) before the shared one, either as a
+    status or as events on a 200 stream; generations stream the recorded chunks, cut where a
+    requested stop string appears (finish reason `stop`), as the runtime would. An answer's
+    `framing` is `data: ` unless it says `data:` (TGI), and `done: false` leaves out `[DONE]`.
+    Request bodies go to `seen`."""
     routes = fixture["routes"]
 
     async def app(scope, receive, send):
@@ -23,20 +27,27 @@ def replay(fixture: dict, seen: list | None = None):
             request = json.loads(body or b"{}")
             if seen is not None:
                 seen.append(request)
-            text = json.dumps(request.get("prompt") or request.get("messages") or request.get("text"))
+            text = json.dumps(request.get("prompt") or request.get("messages") or request.get("text")
+                              or request.get("inputs"))
+            top_p = request.get("top_p", (request.get("parameters") or {}).get("top_p")) or 0
+            failure = None
             if len(text) > 10_000:
-                key = "context_too_long"
-            elif (request.get("top_p") or 0) > 1:
-                key = "invalid_parameter"
+                failure = "context_too_long"
+            elif top_p > 1 or (fixture.get("top_p_below_one") and top_p >= 1):
+                failure = "invalid_parameter"
+            if failure:
+                key = f"{key} {failure}" if f"{key} {failure}" in routes else failure
         answer = routes.get(key, {"status": 404, "json": {"detail": "Not Found"}})
         if "sse" in answer:
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream")]})
-            stops = request.get("stop") or []
+            stops = request.get("stop") or (request.get("parameters") or {}).get("stop") or []
+            framing = answer.get("framing", "data: ")
             for event in cut_at_stop(answer["sse"], [stops] if isinstance(stops, str) else stops):
-                await send({"type": "http.response.body", "body": f"data: {json.dumps(event)}\n\n".encode(),
+                await send({"type": "http.response.body", "body": f"{framing}{json.dumps(event)}\n\n".encode(),
                             "more_body": True})
-            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+            await send({"type": "http.response.body",
+                        "body": f"{framing}[DONE]\n\n".encode() if answer.get("done", True) else b""})
             return
         payload = json.dumps(answer["json"]).encode() if "json" in answer else answer["text"].encode()
         kind = b"application/json" if "json" in answer else b"text/plain"

@@ -40,11 +40,14 @@ def test_one_spec_becomes_each_runtimes_flags():
                     max_running_requests=128, prefix_caching=False)
     assert flag(tgi, "--max-total-tokens") == "8192" and flag(tgi, "--num-shard") == "2"
     assert flag(tgi, "--kv-cache-dtype") == "fp8_e4m3fn" and env == {"PREFIX_CACHING": "0"}
+    # the running batch; --max-concurrent-requests is TGI's admission limit (429), left at its default
+    assert flag(tgi, "--max-batch-size") == "128" and "--max-concurrent-requests" not in tgi
     with pytest.raises(LaunchError, match="fp8_e4m3 and fp8_e5m2"):
         argv(runtime="tgi", kv_cache_dtype="q8_0")
 
     server, _ = argv(runtime="llama-server", context_length=4096, max_running_requests=4, kv_cache_dtype="q8_0")
-    assert flag(server, "-c") == "4096" and flag(server, "-np") == "4" and flag(server, "-ctv") == "q8_0"
+    # -c is split among the slots: each of the 4 gets the whole 4096
+    assert flag(server, "-c") == "16384" and flag(server, "-np") == "4" and flag(server, "-ctv") == "q8_0"
     assert flag(server, "-fa") == "on"  # a quantized V cache needs flash attention
     with pytest.raises(LaunchError, match="split-mode"):
         argv(runtime="llama-server", tensor_parallel=2)

