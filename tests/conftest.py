@@ -217,3 +217,24 @@ def openai_upstream(pieces_for, status: int = 200):
 async def _aiter(items):
     for item in items:
         yield item
+
+
+# -- the conformance report: each target's results, at the end of the run (CI's output) -------
+CONFORMANCE: dict[str, dict[str, int]] = {}
+
+
+def pytest_runtest_logreport(report):
+    if "test_conformance.py::" not in report.nodeid or "[" not in report.nodeid:
+        return
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        target = report.nodeid.rsplit("[", 1)[1].rstrip("]")
+        counts = CONFORMANCE.setdefault(target, {"passed": 0, "failed": 0, "skipped": 0})
+        counts[report.outcome] += 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    if CONFORMANCE:
+        terminalreporter.section("conformance: results per target")
+        for target, counts in CONFORMANCE.items():
+            terminalreporter.write_line(f"{target:18} {counts['passed']} passed, {counts['failed']} failed, "
+                                        f"{counts['skipped']} skipped")

@@ -58,20 +58,25 @@ def replay(fixture: dict, seen: list | None = None):
 
 
 def cut_at_stop(events: list[dict], stops: list[str]) -> list[dict]:
-    """The OpenAI stream's events up to the first stop string (not included), then a `stop` finish."""
+    """The stream's events up to the first stop string (not included), then a stop finish: an
+    OpenAI chunk with finish reason `stop`, or TGI's last token event with `stop_sequence`."""
     if not stops:
         return events
     out, text = [], ""
     for event in events:
-        choices = event.get("choices") or []
-        piece = choices[0].get("text", (choices[0].get("delta") or {}).get("content", "")) if choices else ""
+        piece = _piece(event)
         found = next((i for i in (f"{text}{piece}".find(s) for s in stops) if i >= 0), -1)
         if found < 0:
             out.append(event)
-            text += piece or ""
+            text += piece
             continue
         last = copy.deepcopy(event)
         kept = f"{text}{piece}"[len(text):found] if found > len(text) else ""
+        if "token" in last:  # TGI: the last token event carries the whole text and the details
+            last["token"]["text"], last["generated_text"] = kept, text + kept
+            last["details"] = {**events[-1]["details"], "finish_reason": "stop_sequence",
+                               "generated_tokens": len(out) + 1}
+            return out + [last]
         choice = last["choices"][0]
         if "delta" in choice:
             choice["delta"] = {"content": kept}
@@ -80,3 +85,10 @@ def cut_at_stop(events: list[dict], stops: list[str]) -> list[dict]:
         choice["finish_reason"] = "stop"
         return out + [last] + [e for e in events if e.get("usage")]
     return events
+
+
+def _piece(event: dict) -> str:
+    if "token" in event:
+        return event["token"]["text"]
+    choices = event.get("choices") or []
+    return (choices[0].get("text", (choices[0].get("delta") or {}).get("content", "")) or "") if choices else ""

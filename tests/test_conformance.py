@@ -4,11 +4,17 @@
 - `llama-cpp`: llama.cpp in process (llama-cpp-python, a pool of two slots) on the default GGUF;
 - `llama-cpp-server`: llama-cpp-python's server on the default GGUF, a subprocess, through the
   generic OpenAI adapter (its llama.cpp profile);
-- `tgi`: the TGI adapter against a server speaking TGI's native protocol: servegate's own
+- `llama-server`: llama.cpp's C++ server, built from the llama.cpp that llama-cpp-python vendors
+  (`python -m backends.peers llama-server`), two slots with continuous batching;
+- `vllm`: vLLM's CPU build (`python -m backends.peers vllm`) on the default model;
+- `tgi-protocol`: the TGI adapter against a server speaking TGI's native protocol: servegate's own
   TGI-compatible API (itself checked against TGI's official clients in test_tgi_api.py), here in
   front of the built-in engine, so cancellation can be seen in the engine's KV blocks;
-- `vllm`, `sglang`: their adapters against their wire formats replayed from tests/fixtures (no
-  GPU here; see test_runtime_fixtures.py for a live server instead).
+- `sglang-fixture`, `tgi-fixture`: runtimes that cannot run here, replayed from tests/fixtures,
+  each built from the source file and release it names, error paths included.
+
+A peer that is not provisioned skips with the reason; `.ci/run` provisions them. The report at
+the end of the run counts each target's results.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from backends.builtin import BuiltinBackend, EngineConfig
 from backends.builtin.loader import default_model_path
 from backends.llamacpp import LlamaCppBackend, LlamaCppConfig, LlamaCppServerBackend, llama_server_config
 from backends.openai_compat import OpenAICompatConfig
+from backends.peers import PeerMissing, llama_server, llama_server_command, vllm_command, vllm_env, vllm_python
 from backends.sglang import SGLangBackend
 from backends.tgi import TGIBackend
 from backends.vllm import VLLMBackend
@@ -53,6 +60,7 @@ class Target:
     engine: object | None = None  # the built-in engine behind it, where we can see its KV blocks
     reports_prompt_tokens: bool = True
     tokenized: str = PROMPT  # a replayed runtime tokenizes only the text it recorded
+    replayed: bool = False  # a fixture: it answers what it recorded, whatever the prompt
 
 
 @contextlib.contextmanager
@@ -72,13 +80,28 @@ def target_of(kind: str, tmp_path_factory):
         with server_process(command, url, "/v1/models"):
             config = llama_server_config(url, "smollm2", python_server=True, max_context=2048)
             yield Target(LlamaCppServerBackend(config, name="llama-cpp"), reports_prompt_tokens=False)
-    elif kind in ("vllm", "sglang"):
-        fixture = json.loads(next((Path(__file__).parent / "fixtures").glob(f"{kind}-*.json")).read_text())
+    elif kind == "llama-server":
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        peer(llama_server)
+        with server_process(llama_server_command(default_model_path(), port, "smollm2"), url, "/health"):
+            yield Target(LlamaCppServerBackend(llama_server_config(url, "smollm2"), name="llama-server"))
+    elif kind == "vllm":
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        peer(vllm_python)
+        command = vllm_command(vllm_model_dir(tmp_path_factory), port, "smollm2")
+        with server_process(command, url, "/health", timeout=900, env=vllm_env()):
+            yield Target(VLLMBackend(OpenAICompatConfig(base_url=url, model="smollm2")))
+    elif kind in ("sglang-fixture", "tgi-fixture"):
+        runtime = kind.removesuffix("-fixture")
+        fixture = json.loads(next((Path(__file__).parent / "fixtures").glob(f"{runtime}-*.json")).read_text())
         with serve_app(replay(fixture)) as url:
-            adapter = VLLMBackend if kind == "vllm" else SGLangBackend
+            adapter = SGLangBackend if runtime == "sglang" else TGIBackend
             recorded = fixture["routes"].get("POST /tokenize", {}).get("text", PROMPT)
-            yield Target(adapter(OpenAICompatConfig(base_url=url, model=fixture["model"])), tokenized=recorded)
-    else:
+            yield Target(adapter(OpenAICompatConfig(base_url=url, model=fixture["model"])), tokenized=recorded,
+                         replayed=True)
+    else:  # tgi-protocol
         engine_backend = BuiltinBackend(EngineConfig())
         app = gateway_app({engine_backend.model_id: engine_backend}, tmp_path_factory.mktemp("tgi-target"))
         with serve_app(app) as url:
@@ -87,7 +110,26 @@ def target_of(kind: str, tmp_path_factory):
                                                        api_key=ADMIN_KEY)), engine_backend.engine)
 
 
-@pytest.fixture(scope="module", params=["builtin", "llama-cpp", "llama-cpp-server", "tgi", "vllm", "sglang"])
+def peer(provisioned) -> None:
+    """Skip, saying why, where a peer runtime is not provisioned."""
+    try:
+        provisioned()
+    except PeerMissing as missing:
+        pytest.skip(str(missing))
+
+
+def vllm_model_dir(tmp_path_factory) -> Path:
+    """The default model as a Hugging Face directory that vLLM reads."""
+    from backends.builtin.loader import gguf_to_hf_dir
+
+    return gguf_to_hf_dir(default_model_path(), str(tmp_path_factory.getbasetemp() / "vllm-model"))
+
+
+TARGETS = ["builtin", "llama-cpp", "llama-cpp-server", "llama-server", "vllm", "tgi-protocol", "sglang-fixture",
+           "tgi-fixture"]
+
+
+@pytest.fixture(scope="module", params=TARGETS)
 def target(request, tmp_path_factory):
     with target_of(request.param, tmp_path_factory) as made:
         if request.param != "builtin":
