@@ -149,12 +149,14 @@ def print_comparison(results: dict[str, dict], names: list[str]) -> None:
 
 
 def bench(
-    target: Annotated[str | None, typer.Option(help="Base URL of the server to measure.")] = None,
+    target: Annotated[str | None, typer.Option("--target", "--base-url",
+                                               help="Base URL of the server to measure (vLLM: --base-url).")] = None,
     protocol: Annotated[str, typer.Option(help="openai (/v1/completions) | tgi (/generate_stream)")] = "openai",
     backend: Annotated[str | None, typer.Option(
         help="Measure a backend in process instead: builtin, llama-cpp (--model: its weights).")] = None,
     model: Annotated[str | None, typer.Option(help="Model id to ask for (default: the server's first).")] = None,
-    api_key: Annotated[str | None, typer.Option(help="Bearer key for the target.")] = None,
+    api_key: Annotated[str | None, typer.Option(help="Bearer key for the target.", envvar="OPENAI_API_KEY",
+                                                show_envvar=True)] = None,
     tokenizer: Annotated[str | None, typer.Option(help="Tokenizer for generated prompts (HF dir or GGUF).")] = None,
     dataset: Annotated[str, typer.Option(help="random | shared-prefix | multi-turn | trace")] = "random",
     num_prompts: Annotated[int, typer.Option(help="Requests (conversations for multi-turn).")] = 100,
@@ -171,7 +173,8 @@ def bench(
     burstiness: Annotated[float, typer.Option(help="Gamma shape of arrivals; 1 is Poisson.")] = 1.0,
     max_concurrency: Annotated[int | None, typer.Option(help="Requests in flight at most.")] = None,
     num_warmups: Annotated[int, typer.Option(help="Unmeasured requests first.")] = 1,
-    goodput: Annotated[list[str] | None, typer.Option(help="SLO as KEY:MS (ttft, tpot, e2el); repeatable.")] = None,
+    goodput: Annotated[list[str] | None, typer.Option(help="SLO as KEY:MS (ttft, tpot, e2el); repeatable, or several in one value "
+                                                          "as vLLM writes them ('ttft:500 tpot:50').")] = None,
     seed: Annotated[int, typer.Option()] = 0,
     sweep: Annotated[str | None, typer.Option(help="Comma-separated request rates to run in turn.")] = None,
     slo_attainment: Annotated[float, typer.Option(help="Share of requests meeting --goodput for a rate to count "
@@ -185,7 +188,7 @@ def bench(
 ) -> None:
     """Measure a serving target: TTFT, ITL, TPOT, end-to-end latency, throughput and SLO goodput."""
     try:
-        slo = parse_goodput(goodput or [])
+        slo = parse_goodput([spec for value in goodput or [] for spec in value.split()])
         rates = [float(r) for r in sweep.split(",")] if sweep else [request_rate]
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
