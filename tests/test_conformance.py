@@ -90,7 +90,7 @@ def target_of(kind: str, tmp_path_factory):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         peer(vllm_python)
-        command = vllm_command(vllm_model_dir(tmp_path_factory), port, "smollm2")
+        command = vllm_command(vllm_model_dir(), port, "smollm2")
         with server_process(command, url, "/health", timeout=900, env=vllm_env()):
             yield Target(VLLMBackend(OpenAICompatConfig(base_url=url, model="smollm2")))
     elif kind in ("sglang-fixture", "tgi-fixture"):
@@ -118,11 +118,11 @@ def peer(provisioned) -> None:
         pytest.skip(str(missing))
 
 
-def vllm_model_dir(tmp_path_factory) -> Path:
-    """The default model as a Hugging Face directory that vLLM reads."""
+def vllm_model_dir() -> Path:
+    """The default model as the Hugging Face directory the built-in engine converts it to."""
     from backends.builtin.loader import gguf_to_hf_dir
 
-    return gguf_to_hf_dir(default_model_path(), str(tmp_path_factory.getbasetemp() / "vllm-model"))
+    return gguf_to_hf_dir(default_model_path())
 
 
 TARGETS = ["builtin", "llama-cpp", "llama-cpp-server", "llama-server", "vllm", "tgi-protocol", "sglang-fixture",
