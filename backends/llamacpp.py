@@ -119,6 +119,7 @@ class LlamaCppServerBackend(OpenAICompatBackend):
         return Health.LOADING if status == 503 and not self.python_server else super().health_of(status)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        check_sampling(request)
         produced = False
         try:
             async for event in super().generate(request):
@@ -168,6 +169,15 @@ class LlamaCppServerBackend(OpenAICompatBackend):
             except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
                 pass  # the bound below still reserves enough
         return await super().count_prompt_tokens(request)
+
+
+def check_sampling(request: GenerateRequest) -> None:
+    """llama.cpp does not check sampling ranges (llama-server runs a top_p of 1.5 as no cut):
+    its adapters refuse what OpenAI's API refuses."""
+    if request.temperature < 0:
+        raise InvalidRequest("temperature must be >= 0", param="temperature")
+    if not 0 < request.top_p <= 1:
+        raise InvalidRequest("top_p must be in (0, 1]", param="top_p")
 
 
 @dataclass
@@ -245,10 +255,7 @@ class LlamaCppBackend(Backend):
             raise InvalidRequest("send text or messages; token ids are not accepted here", param="prompt")
         if request.max_tokens is not None and request.max_tokens < 1:
             raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
-        if request.temperature < 0:
-            raise InvalidRequest("temperature must be >= 0", param="temperature")
-        if not 0 < request.top_p <= 1:
-            raise InvalidRequest("top_p must be in (0, 1]", param="top_p")
+        check_sampling(request)
         for key, value in request.extra.items():
             if value not in (None, False, 0, "", [], {}):
                 raise InvalidRequest(f"parameter {key!r} is not supported by the llama.cpp backend", param=key)

@@ -42,7 +42,7 @@ def vllm_python() -> Path:
     python = home() / "vllm" / "bin" / "python"
     if not (home() / "vllm" / "ready").exists():
         raise PeerMissing(f"vLLM's CPU build is not provisioned in {python.parent.parent}: "
-                          "run `python -m backends.peers vllm`")
+                          f"{failure('vllm') or 'run `python -m backends.peers vllm`'}")
     return python
 
 
@@ -64,7 +64,8 @@ def vllm_env(threads: int | None = None, kv_cache_gib: int = 2) -> dict[str, str
 def llama_server() -> Path:
     binary = home() / "llama.cpp" / "bin" / "llama-server"
     if not binary.exists():
-        raise PeerMissing(f"llama-server is not built in {binary.parent}: run `python -m backends.peers llama-server`")
+        raise PeerMissing(f"llama-server is not built in {binary.parent}: "
+                          f"{failure('llama-server') or 'run `python -m backends.peers llama-server`'}")
     return binary
 
 
@@ -126,8 +127,28 @@ def provision_llama_server() -> Path:
 
 PROVISIONERS = {"vllm": provision_vllm, "llama-server": provision_llama_server}
 
+
+def failure(name: str) -> str:
+    """Why the last provisioning of `name` failed, or ""."""
+    path = home() / f"{name}.failed"
+    return path.read_text().strip() if path.exists() else ""
+
+
+def provision(names: list[str]) -> None:
+    """Provision each peer; one that fails leaves its reason for the tests, which skip saying it."""
+    for name in names:
+        record = home() / f"{name}.failed"
+        try:
+            print(f"{name}: {PROVISIONERS[name]()}", flush=True)
+            record.unlink(missing_ok=True)
+        except (subprocess.CalledProcessError, OSError) as exc:
+            home().mkdir(parents=True, exist_ok=True)
+            record.write_text(f"provisioning failed: {exc}")
+            print(f"{name}: provisioning failed, its tests will skip saying so: {exc}", flush=True)
+
+
 if __name__ == "__main__":
-    for name in sys.argv[1:] or PROVISIONERS:
-        if name not in PROVISIONERS:
-            sys.exit(f"unknown peer {name!r}: one of {', '.join(PROVISIONERS)}")
-        print(f"{name}: {PROVISIONERS[name]()}", flush=True)
+    unknown = set(sys.argv[1:]) - set(PROVISIONERS)
+    if unknown:
+        sys.exit(f"unknown peer {', '.join(sorted(unknown))}: one of {', '.join(PROVISIONERS)}")
+    provision(sys.argv[1:] or list(PROVISIONERS))
