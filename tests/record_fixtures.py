@@ -69,12 +69,13 @@ def cpu_model() -> str:
 def record(runtime: str) -> Path:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    model = gguf_to_hf_dir(default_model_path()) if runtime == "vllm" else default_model_path()
     if runtime == "vllm":
         peers.provision_vllm()
-        argv, env = peers.vllm_command(gguf_to_hf_dir(default_model_path()), port, MODEL), peers.vllm_env()
+        argv, env = peers.vllm_command(model, port, MODEL), peers.vllm_env()
     else:
         peers.provision_llama_server()
-        argv, env = peers.llama_server_command(default_model_path(), port, MODEL), {}
+        argv, env = peers.llama_server_command(model, port, MODEL), {}
     with supervised(argv, url, "/health", env, timeout_s=900), httpx.Client(base_url=url, timeout=300) as client:
         routes = {key: answer_of(client, method, path, body)
                   for key, method, path, body in [*EXCHANGES, *RUNTIMES[runtime]]}
@@ -87,13 +88,15 @@ def record(runtime: str) -> Path:
         "runtime": runtime, "version": version, "model": MODEL,
         "provenance": (f"Recorded from a live {runtime} {version} by tests/record_fixtures.py on "
                        f"{datetime.date.today()}, serving the default model (SmolLM2-135M-Instruct), on "
-                       f"{cpu_model()}: `{' '.join(argv[1:])}`."),
+                       f"{cpu_model()}: `{' '.join(argv)}`."),
         "routes": routes,
     }
     for old in FIXTURES.glob(f"{runtime}-*.json"):
         old.unlink()
     path = FIXTURES / f"{runtime}-{version}.json"
-    path.write_text(json.dumps(fixture, indent=1) + "\n")
+    # this machine's paths stay out: the model and the program by their names
+    text = json.dumps(fixture, indent=1).replace(str(model), model.name).replace(argv[0], Path(argv[0]).name)
+    path.write_text(text + "\n")
     return path
 
 

@@ -87,10 +87,9 @@ def test_sglang_native_stream_errors_without_a_code_are_typed():
 
 
 def test_llama_server_context_error_type_and_loading_health():
-    server = copy.deepcopy(fixture("llama-server"))
-    server["routes"]["context_too_long"] = {"status": 400, "json": {"error": {
-        "code": 400, "message": "the request exceeds the available context size, try increasing it",
-        "type": "exceed_context_size_error", "n_prompt_tokens": 5001, "n_ctx": 4096}}}
+    server = copy.deepcopy(fixture("llama-server"))  # recorded: a too-long prompt is exceed_context_size_error
+    assert server["routes"]["POST /v1/completions context_too_long"]["json"]["error"]["type"] == \
+        "exceed_context_size_error"
 
     async def scenario(backend):
         with pytest.raises(ContextTooLong):

@@ -1,7 +1,8 @@
-"""The vLLM and SGLang adapters against their wire formats: replayed from fixtures built from
-each runtime's documented format (tests/fixtures/*.json say which version and which sources),
-since neither runs on a CPU machine. Set SERVEGATE_TEST_VLLM_URL / SERVEGATE_TEST_SGLANG_URL
-(and ..._MODEL) to run the same tests against a live server."""
+"""The vLLM, SGLang and llama-server adapters against their wire formats, replayed from
+tests/fixtures: vLLM's and llama-server's recorded from the live servers (tests/record_fixtures.py),
+SGLang's built from its source (the fixture names the files and release). Set
+SERVEGATE_TEST_VLLM_URL / SERVEGATE_TEST_SGLANG_URL (and ..._MODEL) to run the same tests against
+a live server."""
 
 from __future__ import annotations
 
@@ -123,31 +124,40 @@ def test_sglang_native_generate_streams_cumulative_text_as_deltas():
     assert finish.finish_reasons == ("length",) and finish.usage == Usage(7, 6, 3)
 
 
-def test_llama_server_build_slots_tokens_and_prompt_cache():
-    """llama-server (C++), replayed from its README's formats: version from /props, load from /slots
-    when /metrics is off, token pieces (bytes where not UTF-8) as offsets, cache_prompt asked."""
+def test_llama_server_build_metrics_tokens_and_prompt_cache():
+    """llama-server (C++), replayed from what the live server answered (tests/record_fixtures.py):
+    version and per-slot context from /props, load from its metrics, token pieces as offsets,
+    cache_prompt asked."""
     from backends.llamacpp import LlamaCppServerBackend, llama_server_config
 
     (path,) = FIXTURES.glob("llama-server-*.json")
     fixture, seen = json.loads(path.read_text()), []
+    routes = fixture["routes"]
 
     async def scenario(url):
         backend = LlamaCppServerBackend(llama_server_config(url, fixture["model"]))
         await backend.start()
         try:
-            text, finish = await generated(backend, prompt="The primary colors are", max_tokens=2)
+            text, finish = await generated(backend, prompt="The primary colors are", max_tokens=6)
+            with pytest.raises(ContextTooLong):
+                await generated(backend, prompt="hello " * 5000, max_tokens=6)
             return text, finish, await backend.capabilities(), await backend.load(), await backend.tokenize(
-                "Hello worldá")
+                routes["POST /tokenize"]["text"])
         finally:
             await backend.close()
 
     with serve_app(replay(fixture, seen)) as url:
         text, finish, caps, load, tokens = asyncio.run(scenario(url))
-    assert text == " red," and finish.usage == Usage(7, 2, 5)
-    completion = next(body for body in seen if "prompt" in body)
-    assert completion["cache_prompt"] is True and completion["prompt"] == "The primary colors are"
+    completion = routes["POST /v1/completions"]["sse"]
+    assert text == streamed_text(completion) and finish.usage == usage_of(last_usage(completion))
+    sent = next(body for body in seen if "prompt" in body)
+    assert sent["cache_prompt"] is True and sent["prompt"] == "The primary colors are"
     assert next(body for body in seen if "content" in body)["with_pieces"] is True
-    assert (caps.version, caps.max_context, caps.prefix_caching) == ("b6500-00dc8057", 4096, True)
-    assert (load.running, load.details["slots"]) == (2, 4)
-    assert [(t.text, t.start, t.stop) for t in tokens] == [("Hello", 0, 5), (" world", 5, 11), ("á", 11, 12),
-                                                           ("á", 11, 12)]
+    props = routes["GET /props"]["json"]
+    assert (caps.version, caps.prefix_caching) == (props["build_info"], True)
+    assert caps.max_context == props["default_generation_settings"]["n_ctx"]
+    metrics = {f.name: sum(s.value for s in f.samples) for f in text_string_to_metric_families(
+        routes["GET /metrics"]["text"])}
+    assert load.running == metrics["llamacpp:requests_processing"]
+    assert [t.id for t in tokens] == [t["id"] for t in routes["POST /tokenize"]["json"]["tokens"]]
+    assert "".join(t.text for t in tokens) == routes["POST /tokenize"]["text"]
