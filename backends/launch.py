@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -142,6 +143,12 @@ def _llama_cpp_python(s: LaunchSpec):
         argv += ["--type_k", str(GGML_TYPES[s.kv_cache_dtype]), "--type_v", str(GGML_TYPES[s.kv_cache_dtype]),
                  "--flash_attn", "True"]
     return argv, {}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -17,12 +17,14 @@ conformance suite, the benchmarks and `servegate advise --measure`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 VLLM_VERSION = "0.32.0"
@@ -46,12 +48,34 @@ def vllm_python() -> Path:
     return python
 
 
-def vllm_command(model_dir: str | Path, port: int, served_name: str, max_model_len: int = 2048) -> list[str]:
+def vllm_command(model_dir: str | Path, port: int, served_name: str, max_model_len: int = 2048,
+                 extra: Sequence[str] = ()) -> list[str]:
     """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`: the `vllm` command
     fails at start on this distribution's name)."""
     return [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", str(max_model_len), "--dtype", "bfloat16"]
+            "--max-model-len", str(max_model_len), "--dtype", "bfloat16", *extra]
+
+
+@contextlib.contextmanager
+def vllm_replicas(model_dir: str | Path, served_name: str, *extras: Sequence[str]) -> Iterator[list[str]]:
+    """One vLLM server per entry of `extras` (its extra flags), each on one core of its own
+    (round robin) with its dev-mode routes (`/reset_prefix_cache`); yields their URLs once all
+    answer."""
+    from .launch import free_port, supervised
+
+    cores = os.cpu_count() or 1
+    with contextlib.ExitStack() as stack:
+        urls = []
+        for index, extra in enumerate(extras):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            env = vllm_env(threads=1) | {"VLLM_CPU_OMP_THREADS_BIND": str(index % cores), "VLLM_SERVER_DEV_MODE": "1"}
+            stack.enter_context(supervised(vllm_command(model_dir, port, served_name, extra=extra), url, "/health",
+                                           env, 900))
+            urls.append(url)
+        yield urls
+
 
 
 def vllm_env(threads: int | None = None, kv_cache_gib: int = 2) -> dict[str, str]:

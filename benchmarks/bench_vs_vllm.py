@@ -6,7 +6,11 @@ build, `backends/peers.py`), the same trace:
 Each pair writes one JSONL trace both tools read (Mooncake's fields: `timestamp` in ms,
 `input_length` 256, `output_length` 64, `hash_ids` unique per request, so no prefix is shared),
 Poisson arrivals at the rate, and runs both against it, greedy with ignore_eos: vLLM's
-`--dataset-name timed_trace`, servegate's `--dataset trace`. The order alternates from pair to
+`--dataset-name timed_trace --temperature 0` (its bench otherwise leaves sampling to the
+server's default, temperature 1), servegate's `--dataset trace`, each with the pair's seed for
+the prompts' tokens (a run that reused another's prompts would hit the prefix cache). Each row of
+vLLM's own `/metrics` (TTFT, TPOT and end-to-end histograms, prefix-cache counters) over each
+run says what the server saw. The order alternates from pair to
 pair; the server is warmed up first (vLLM compiles for new batch shapes during its first
 requests). Prints request and output throughput, mean TTFT, TPOT and end-to-end latency side by
 side, with servegate / vLLM.
@@ -21,6 +25,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -42,22 +49,50 @@ def write_trace(path: Path, n: int, rate: float, seed: int) -> None:
                             + "\n" for i, t in enumerate(offsets)))
 
 
-def vllm_bench(url: str, tokenizer: Path, trace: Path, n: int, out: Path) -> dict:
+def vllm_bench(url: str, tokenizer: Path, trace: Path, n: int, seed: int, out: Path) -> dict:
     vllm = peers.vllm_python().parent / "vllm"
     subprocess.run([str(vllm), "bench", "serve", "--backend", "vllm", "--base-url", url, "--model", "smollm2",
                     "--tokenizer", str(tokenizer), "--dataset-name", "timed_trace", "--dataset-path", str(trace),
-                    "--timed-trace-sec-multiplier", "0.001", "--num-prompts", str(n), "--ignore-eos",
+                    "--timed-trace-sec-multiplier", "0.001", "--num-prompts", str(n), "--seed", str(seed),
+                    "--ignore-eos", "--temperature", "0",  # greedy, as servegate's bench asks; its default is the server's
                     "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm", "--save-result",
                     "--result-dir", str(out.parent), "--result-filename", out.name],
                    check=True, env={**os.environ, **peers.vllm_env()}, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
 
-def servegate_bench(url: str, tokenizer: Path, trace: Path, n: int, out: Path) -> dict:
+def servegate_bench(url: str, tokenizer: Path, trace: Path, n: int, seed: int, out: Path) -> dict:
+    """The seed draws the prompts' text: a run that reused an earlier run's prompts would hit
+    the server's prefix cache."""
     subprocess.run([sys.executable, "-m", "gateway", "bench", "--base-url", url, "--model", "smollm2",
                     "--tokenizer", str(tokenizer), "--dataset", "trace", "--trace", str(trace), "--num-prompts",
-                    str(n), "--output", str(out)], check=True, stdout=subprocess.DEVNULL)
+                    str(n), "--seed", str(seed), "--output", str(out)], check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
+
+
+SERVER = {"mean_ttft_ms": "vllm:time_to_first_token_seconds", "mean_tpot_ms": "vllm:request_time_per_output_token_seconds",
+          "mean_e2el_ms": "vllm:e2e_request_latency_seconds"}
+
+
+def server_figures(url: str) -> dict[str, float]:
+    """vLLM's own histograms' sums and counts, and its prefix-cache counters."""
+    figures: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for sample in family.samples:
+            figures[sample.name] = figures.get(sample.name, 0.0) + sample.value
+    return figures
+
+
+def server_view(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What the server itself measured over one run: mean TTFT, TPOT, end to end, prefix hit rate."""
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    view = {ours: 1000 * delta(f"{theirs}_sum") / delta(f"{theirs}_count")
+            for ours, theirs in SERVER.items() if delta(f"{theirs}_count")}
+    queries = delta("vllm:prefix_cache_queries_total")
+    view["prefix_hit_rate"] = delta("vllm:prefix_cache_hits_total") / queries if queries else 0.0
+    return view
 
 
 def main() -> None:
@@ -75,20 +110,29 @@ def main() -> None:
             tempfile.TemporaryDirectory() as tmp:
         warmup = Path(tmp) / "warmup.jsonl"
         write_trace(warmup, 16, 8.0, seed=0)
-        servegate_bench(url, model, warmup, 16, Path(tmp) / "warmup.json")
+        servegate_bench(url, model, warmup, 16, 1000, Path(tmp) / "warmup.json")
         for pair in range(1, args.pairs + 1):
             trace = Path(tmp) / f"trace-{pair}.jsonl"
             write_trace(trace, args.num_prompts, args.request_rate, seed=pair)
-            runs = {"vllm": lambda: vllm_bench(url, model, trace, args.num_prompts, Path(tmp) / f"vllm-{pair}.json"),
-                    "servegate": lambda: servegate_bench(url, model, trace, args.num_prompts,
+            runs = {"vllm": lambda: vllm_bench(url, model, trace, args.num_prompts, pair,
+                                               Path(tmp) / f"vllm-{pair}.json"),
+                    "servegate": lambda: servegate_bench(url, model, trace, args.num_prompts, pair,
                                                          Path(tmp) / f"servegate-{pair}.json")}
             order = ["vllm", "servegate"] if pair % 2 else ["servegate", "vllm"]
-            done = {name: runs[name]() for name in order}
+            done, seen = {}, {}
+            for name in order:
+                before = server_figures(url)
+                done[name] = runs[name]()
+                seen[name] = server_view(before, server_figures(url))
             theirs, ours = done["vllm"], done["servegate"]
             for tool, result in (("vllm bench serve", theirs), ("servegate bench", ours)):
                 print(f"| {pair} | {tool} | " + " | ".join(f"{result[k]:.2f}" for k in COMPARED) + " |")
             print(f"| {pair} | servegate / vLLM | " + " | ".join(f"{ours[k] / theirs[k]:.2f}" for k in COMPARED) + " |",
                   flush=True)
+            for name in order:  # the server's own view of each run: which client saw what happened
+                print(f"| {pair} | vLLM's /metrics during {name}'s run | " + " | ".join(
+                    f"{seen[name][k]:.2f}" if k in seen[name] else "" for k in COMPARED) +
+                      f" | prefix hit rate {seen[name]['prefix_hit_rate']:.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import pytest
 from backends.builtin.config import EngineConfig
 from backends.builtin.engine import LLMEngine
 from backends.builtin.loader import default_model_path, gguf_to_hf_dir, load_model
+from backends.launch import free_port  # noqa: F401  (the tests import it from here)
 
 _engines: list[LLMEngine] = []
 
@@ -144,12 +145,6 @@ async def generated(backend, **fields):
         else:
             finish = event
     return "".join(texts), finish
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

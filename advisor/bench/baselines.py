@@ -30,7 +30,7 @@ from backends.base import (
     Load,
     Usage,
 )
-from backends.launch import supervised
+from backends.launch import free_port, supervised
 
 
 @dataclass
@@ -174,14 +174,6 @@ def servegate_env() -> Iterator[tuple[dict[str, str], str]]:
 
 # llama-cpp-default keeps the server's default interrupt_requests=True, to show what it does.
 SYSTEMS = ("builtin", "builtin-int8", "hf-static", "llama-cpp", "llama-cpp-default")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
