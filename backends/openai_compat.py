@@ -111,7 +111,7 @@ class OpenAICompatBackend(Backend):
         usage, pieces = None, 0
         async for chunk in self.stream_events(path, body):
             if "error" in chunk:
-                raise self.error_from_event(chunk)
+                raise error_from_body(chunk)
             if chunk.get("usage"):
                 usage = usage_of(chunk["usage"])
             for choice in chunk.get("choices") or ():
@@ -151,9 +151,6 @@ class OpenAICompatBackend(Backend):
 
     def error_for_status(self, status: int, body: bytes) -> BackendError:
         return error_from_status(status, body)
-
-    def error_from_event(self, event: dict) -> BackendError:
-        return error_from_body(event)
 
     async def _post(self, path: str, body: dict, **options) -> aiohttp.ClientResponse:
         """POST; once more if a pooled keep-alive connection turns out to be dead before any answer

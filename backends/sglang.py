@@ -5,7 +5,9 @@ makes it incremental: say so with `incremental=True`) and the usage in `meta_inf
 Facts for sglang 0.5.23 (the project's reference notes, from `entrypoints/http_server.py`,
 `entrypoints/openai/protocol.py`, `managers/tokenizer_manager.py` and the metrics collector):
 errors on the OpenAI routes are a *flat* `{"object": "error", "message", "type", "param",
-"code"}` (wrapped as `{"error": {...}}` inside streams); `/health` runs a one-token generation
+"code"}` (wrapped as `{"error": {...}}` inside streams); native `/generate` stream errors are
+`{"error": {"message"}}` with no code, typed by their message (`error_from_body`);
+`/v1/models` carries `max_model_len`; `/health` runs a one-token generation
 and is 503 while starting; `/flush_cache` empties the radix cache; `/server_info` carries the
 server arguments (`context_length`, `disable_radix_cache`) and `version`; `/metrics`
 (`sglang:*`) exists only with `--enable-metrics`. The radix (prefix) cache is on unless
@@ -16,7 +18,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from .base import Capabilities, Delta, Event, Finish, GenerateRequest, Load, UpstreamError, Usage
-from .openai_compat import OpenAICompatBackend, OpenAICompatConfig
+from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_from_body
 
 
 class SGLangBackend(OpenAICompatBackend):
@@ -46,7 +48,7 @@ class SGLangBackend(OpenAICompatBackend):
         sent, meta = "", {}
         async for chunk in self.stream_events("/generate", body):
             if "error" in chunk:
-                raise self.error_from_event(chunk)
+                raise error_from_body(chunk)
             text, meta = chunk.get("text", ""), chunk.get("meta_info") or {}
             piece = text if self.incremental else text[len(sent):]
             sent = sent + piece if self.incremental else text

@@ -78,13 +78,16 @@ def main() -> None:
                             "--random-output-len", "32", "--max-concurrency", str(args.concurrency), "--output",
                             str(out)], env=env, check=True, stdout=subprocess.DEVNULL)
             served = answered_by(url, key)
-        history = subprocess.run([*SERVEGATE, "routes", "history", "chat"], env=env, check=True,
-                                 capture_output=True, text=True).stdout
+        history = json.loads(subprocess.run([*SERVEGATE, "routes", "history", "chat", "--json"], env=env,
+                                            check=True, capture_output=True, text=True).stdout)
         result = json.loads(out.read_text())
     print(f"requests: {result['completed']} completed, {result['failed']} failed; "
           f"p50 TTFT {result['median_ttft_ms']:.0f} ms, p99 {result['p99_ttft_ms']:.0f} ms")
     print(f"answered by: {served}")
-    print(history)
+    for version in history["versions"]:
+        print(f"version {version['version']}: {version['status']}, targets {version['spec']['targets']}")
+    for change in history["changes"]:
+        print(f"{change['at']} {change['actor']}: {change['action']} {change['target']} {change['after'] or ''}")
 
 
 if __name__ == "__main__":

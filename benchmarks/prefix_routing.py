@@ -55,8 +55,9 @@ def replicas(args) -> Iterator[list[dict]]:
         replica = {"kind": "builtin", "options": {"kv_cache_tokens": args.kv_cache_tokens}}
         yield [{"name": name, "served_name": name, **replica} for name in ("r1", "r2")]
         return
-    # vLLM's KV cache in blocks of 16 tokens, as small as the built-in replicas' (cache pressure)
-    extra = ["--block-size", "16", "--num-gpu-blocks-override", str(args.kv_cache_tokens // 16)]
+    # vLLM's KV cache as small as the built-in replicas' (cache pressure), in blocks of 32 tokens
+    # (its CPU attention takes multiples of 32)
+    extra = ["--block-size", "32", "--num-gpu-blocks-override", str(args.kv_cache_tokens // 32)]
     with peers.vllm_replicas(gguf_to_hf_dir(default_model_path()), "smollm2", extra, extra) as urls:
         yield [{"name": name, "served_name": name, "kind": "vllm", "url": url, "model": "smollm2"}
                for name, url in zip(("r1", "r2"), urls)]
