@@ -87,7 +87,9 @@ def main() -> None:
     for version in history["versions"]:
         print(f"version {version['version']}: {version['status']}, targets {version['spec']['targets']}")
     for change in history["changes"]:
-        print(f"{change['at']} {change['actor']}: {change['action']} {change['target']} {change['after'] or ''}")
+        after = change["after"] or {}
+        print(f"{change['at']} {change['actor']}: {change['action']} {change['target']} "
+              f"{after.get('reason') or after.get('status') or ''}")
 
 
 if __name__ == "__main__":
