@@ -108,9 +108,9 @@ def main() -> None:
     print("|---|---|" + "---|" * len(COMPARED))
     with supervised(peers.vllm_command(model, port, "smollm2"), url, "/health", peers.vllm_env(), 900), \
             tempfile.TemporaryDirectory() as tmp:
-        warmup = Path(tmp) / "warmup.jsonl"
-        write_trace(warmup, 16, 8.0, seed=0)
-        servegate_bench(url, model, warmup, 16, 1000, Path(tmp) / "warmup.json")
+        warmup = Path(tmp) / "warmup.jsonl"  # a whole run's load, so vLLM compiles its batch shapes first
+        write_trace(warmup, args.num_prompts, args.request_rate, seed=1000)
+        servegate_bench(url, model, warmup, args.num_prompts, 1000, Path(tmp) / "warmup.json")
         for pair in range(1, args.pairs + 1):
             trace = Path(tmp) / f"trace-{pair}.jsonl"
             write_trace(trace, args.num_prompts, args.request_rate, seed=pair)
