@@ -50,8 +50,8 @@ def vllm_python() -> Path:
 
 def vllm_command(model_dir: str | Path, port: int, served_name: str, max_model_len: int = 2048,
                  extra: Sequence[str] = ()) -> list[str]:
-    """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`: the `vllm` command
-    fails at start on this distribution's name)."""
+    """vLLM's OpenAI server, started as a module: the `vllm` command reads the version of a
+    distribution named `vllm`, which only the record this module writes provides."""
     return [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
             "--max-model-len", str(max_model_len), "--dtype", "bfloat16", *extra]
