@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 import yaml
 
-from advisor.bench.cli import bench
+from advisor.bench.cli import BenchCommand, bench
 from advisor.cli import advise_command
 
 app = typer.Typer(help="servegate: LLM gateway, runtime advisor and TGI migration.", no_args_is_help=True)
@@ -509,5 +509,5 @@ def migrate_tgi(
 
 
 # `servegate bench` lives in the advisor: it is the advisor's measuring instrument too.
-app.command(name="bench")(bench)
+app.command(name="bench", cls=BenchCommand)(bench)
 app.command(name="advise")(advise_command)

@@ -152,12 +152,12 @@ def test_bench_end_to_end_against_servegate_serve(server, tmp_path):
 
 
 def test_bench_takes_vllm_bench_serves_spellings(server, tmp_path):
-    """--base-url, the key from OPENAI_API_KEY, and several SLOs in one --goodput value."""
+    """--base-url, the key from OPENAI_API_KEY, and several SLOs after one --goodput."""
     url, _ = server
     out = tmp_path / "result.json"
     result = CliRunner(env={"OPENAI_API_KEY": ADMIN_KEY}).invoke(app, [
         "bench", "--base-url", url, "--num-prompts", "2", "--random-input-len", "8", "--random-output-len", "2",
-        "--num-warmups", "0", "--goodput", "ttft:60000 tpot:60000", "--output", str(out)])
+        "--num-warmups", "0", "--goodput", "ttft:60000", "tpot:60000", "--output", str(out)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["completed"] == 2 and data["goodput_slo_ms"] == {"ttft": 60000.0, "tpot": 60000.0}

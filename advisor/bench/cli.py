@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from typer.core import TyperCommand
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -148,6 +149,19 @@ def print_comparison(results: dict[str, dict], names: list[str]) -> None:
     console.print(table)
 
 
+class BenchCommand(TyperCommand):
+    """Takes `--goodput ttft:500 tpot:50` as `vllm bench serve` does (one option, several values;
+    click options take one value each), besides repeated or quoted."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        spread: list[str] = []
+        for arg in args:
+            if len(spread) >= 2 and spread[-2] == "--goodput" and ":" in arg and not arg.startswith("-"):
+                spread.append("--goodput")
+            spread.append(arg)
+        return super().parse_args(ctx, spread)
+
+
 def bench(
     target: Annotated[str | None, typer.Option("--target", "--base-url",
                                                help="Base URL of the server to measure (vLLM: --base-url).")] = None,
@@ -173,8 +187,8 @@ def bench(
     burstiness: Annotated[float, typer.Option(help="Gamma shape of arrivals; 1 is Poisson.")] = 1.0,
     max_concurrency: Annotated[int | None, typer.Option(help="Requests in flight at most.")] = None,
     num_warmups: Annotated[int, typer.Option(help="Unmeasured requests first.")] = 1,
-    goodput: Annotated[list[str] | None, typer.Option(help="SLO as KEY:MS (ttft, tpot, e2el); repeatable, or several in one value "
-                                                          "as vLLM writes them ('ttft:500 tpot:50').")] = None,
+    goodput: Annotated[list[str] | None, typer.Option(help="SLO as KEY:MS (ttft, tpot, e2el); several after one --goodput as vLLM "
+                                                          "writes them (--goodput ttft:500 tpot:50), or repeated.")] = None,
     seed: Annotated[int, typer.Option()] = 0,
     sweep: Annotated[str | None, typer.Option(help="Comma-separated request rates to run in turn.")] = None,
     slo_attainment: Annotated[float, typer.Option(help="Share of requests meeting --goodput for a rate to count "
@@ -188,7 +202,7 @@ def bench(
 ) -> None:
     """Measure a serving target: TTFT, ITL, TPOT, end-to-end latency, throughput and SLO goodput."""
     try:
-        slo = parse_goodput([spec for value in goodput or [] for spec in value.split()])
+        slo = parse_goodput([spec for value in goodput or [] for spec in value.split()])  # also 'ttft:1 tpot:2' 
         rates = [float(r) for r in sweep.split(",")] if sweep else [request_rate]
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
