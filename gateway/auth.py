@@ -167,7 +167,12 @@ class Directory:
         if not isinstance(tenant, str):
             raise unauthorized(f"The token has no {s.jwt_tenant_claim!r} claim naming a tenant.")
         scope = claims.get(s.jwt_scope_claim, "inference")
-        scopes = frozenset(scope.split() if isinstance(scope, str) else scope)
+        if isinstance(scope, str):
+            scope = scope.split()
+        if not isinstance(scope, list) or not all(isinstance(item, str) for item in scope):
+            raise unauthorized(f"The token's {s.jwt_scope_claim!r} claim is neither a string of scopes nor a "
+                               "list of strings.")
+        scopes = frozenset(scope)
         return Principal(self._tenant(tenant), str(claims.get("sub", "jwt")), scopes)
 
     def _signing_key(self, token: str):

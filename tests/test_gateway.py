@@ -177,6 +177,9 @@ def test_jwt_bearer_tokens_name_their_tenant(tiny_model_dir, tmp_path):
             assert refused.status_code == 401 and why in refused.json()["error"]["message"], why
         admin_route = httpx.get(f"{url}/admin/tenants", headers=bearer(token(tenant="default")))
         assert admin_route.status_code == 403  # a token's scopes default to inference
+        for scope in (7, [["admin"]], {"admin": True}):  # a claim of the wrong type is the token's fault
+            refused = httpx.get(f"{url}/v1/models", headers=bearer(token(tenant="default", scope=scope)))
+            assert refused.status_code == 401 and "scope" in refused.json()["error"]["message"], scope
 
 
 def test_jwt_signing_keys_come_from_a_jwks_url(tiny_model_dir, tmp_path):

@@ -122,6 +122,25 @@ def test_bad_inputs_get_clear_openai_errors(base_url, client):
     assert bad_stream.status_code == 400 and bad_stream.json()["error"]["code"] == "context_length_exceeded"
 
 
+def test_text_that_is_not_unicode_and_numbers_no_runtime_takes_are_400s(base_url):
+    """A lone surrogate (JSON can spell one) was a 500; max_tokens=10**30 broke the quota script."""
+    url = base_url[0]
+    raw = {"content-type": "application/json", **AUTH}
+    for path, body, where in [
+        ("/v1/completions", '{"model": "%s", "prompt": "hi \\ud800", "max_tokens": 2}' % MODEL, "prompt"),
+        ("/v1/chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}' % MODEL,
+         "messages.0.content"),
+        ("/v1/completions", '{"model": "%s", "prompt": "hi", "stop": ["\\udfff"]}' % MODEL, "stop.0"),
+    ]:
+        refused = httpx.post(f"{url}{path}", content=body.encode(), headers=raw)
+        assert refused.status_code == 400, refused.text
+        assert where in refused.json()["error"]["message"] and "lone surrogate" in refused.json()["error"]["message"]
+    for field, value in [("max_tokens", 10**30), ("seed", 10**30), ("top_k", 10**12)]:
+        refused = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", field: value},
+                             headers=AUTH)
+        assert refused.status_code == 400 and field in refused.json()["error"]["message"], (field, refused.text)
+
+
 def test_client_disconnect_frees_blocks_within_a_step(base_url, backend):
     url = base_url[0]
     engine = backend.engine

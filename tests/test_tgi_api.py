@@ -151,3 +151,14 @@ def test_a_tgi_client_that_leaves_cancels_the_generation(tgi):
     while engine.kv.num_used or engine.scheduler.running:
         assert time.monotonic() < deadline, "the abandoned TGI stream still holds KV blocks"
         time.sleep(0.01)
+
+
+def test_tgi_routes_refuse_lone_surrogates_and_oversized_counts_with_422(tgi):
+    url, key, _ = tgi
+    headers = {"Authorization": f"Bearer {key}", "content-type": "application/json"}
+    surrogate = httpx.post(f"{url}/generate", content=b'{"inputs": "hi \\ud800"}', headers=headers)
+    assert surrogate.status_code == 422 and "lone surrogate" in surrogate.json()["error"]
+    assert surrogate.json()["error_type"] == "validation"
+    huge = httpx.post(f"{url}/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 10**30}},
+                      headers=headers)
+    assert huge.status_code == 422 and "max_new_tokens" in huge.json()["error"]

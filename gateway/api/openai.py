@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from backends.base import BackendError, Delta, Finish, GenerateRequest, InvalidRequest, Usage
 
 from ..auth import Principal
+from . import MAX_TOKENS, ClientBody, TokenCount
 from ..calls import Call
 from ..deps import GatewayDep, InferencePrincipal
 from ..errors import GatewayError
@@ -27,21 +28,21 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(ClientBody):
     # Fields not declared here reach the backend untouched, as `GenerateRequest.extra`.
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: TokenCount | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = 0  # vLLM's extension; -1 and 0 both mean no cut
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOKENS)] = 0  # vLLM's extension; -1 and 0 both mean no cut
     n: Annotated[int, Field(ge=1, le=16)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    stop_token_ids: list[int] = []
+    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKENS)]] = []
     ignore_eos: bool = False
 
     def generate_request(self, model: str, request_id: str, **prompt: Any) -> GenerateRequest:
@@ -64,12 +65,12 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: TokenCount | None = None
 
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for completions
+    max_tokens: TokenCount | None = 16  # OpenAI's default for completions
 
 
 def usage_json(usage: Usage) -> dict:

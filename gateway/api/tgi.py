@@ -25,6 +25,7 @@ from ..deps import GatewayDep, InferencePrincipal
 from ..errors import GatewayError
 from ..generation import ClientDisconnected, collect, resume
 from ..service import Gateway
+from . import MAX_TOKENS, ClientBody, TokenCount
 
 router = APIRouter(tags=["tgi"])
 MAX_STOP_SEQUENCES = 4
@@ -35,19 +36,19 @@ class Parameters(BaseModel):
     # which refuses by name any it cannot honour.
     model_config = ConfigDict(extra="allow")
 
-    max_new_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_new_tokens: TokenCount | None = None
     do_sample: bool = False
     temperature: Annotated[float, Field(gt=0)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(gt=0)] | None = None
-    seed: Annotated[int, Field(ge=0)] | None = None
+    top_k: Annotated[int, Field(gt=0, le=MAX_TOKENS)] | None = None
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
     stop: Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] = []
     details: bool = False
     return_full_text: bool | None = None
     decoder_input_details: bool = False
 
 
-class TGIRequest(BaseModel):
+class TGIRequest(ClientBody):
     inputs: Annotated[str, Field(min_length=1)]
     parameters: Parameters = Parameters()
     stream: bool = False  # only read by `POST /`
