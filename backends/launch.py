@@ -155,13 +155,15 @@ def free_port() -> int:
 def supervised(argv: list[str], url: str, ready_path: str, env: dict[str, str] | None = None,
                timeout_s: float = 600.0, headers: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
     """Run a server until the block ends; yields its process once `url + ready_path` answers 200.
-    llama.cpp servers run with the kernels this CPU can run (`cpu.for_this_cpu`). Its output goes to a temporary log, quoted when it fails to start. Stops it with SIGTERM,
-    then SIGKILL after a grace period."""
+    llama.cpp servers run with the kernels this CPU can run (`cpu.for_this_cpu`). Its output
+    goes to a temporary log, quoted when it fails to start. Stops it with SIGTERM, then SIGKILL
+    after a grace period."""
     import os
     import tempfile
 
     with tempfile.TemporaryFile("w+") as log:
-        process = subprocess.Popen(for_this_cpu(argv), env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(for_this_cpu(argv), env={**os.environ, **(env or {})}, stdout=log,
+                                   stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + timeout_s
             while True:

@@ -54,7 +54,8 @@ def vllm_bench(url: str, tokenizer: Path, trace: Path, n: int, seed: int, out: P
     subprocess.run([str(vllm), "bench", "serve", "--backend", "vllm", "--base-url", url, "--model", "smollm2",
                     "--tokenizer", str(tokenizer), "--dataset-name", "timed_trace", "--dataset-path", str(trace),
                     "--timed-trace-sec-multiplier", "0.001", "--num-prompts", str(n), "--seed", str(seed),
-                    "--ignore-eos", "--temperature", "0",  # greedy, as servegate's bench asks; its default is the server's
+                    # greedy, as servegate's bench asks (its own default is the server's sampling)
+                    "--ignore-eos", "--temperature", "0",
                     "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm", "--save-result",
                     "--result-dir", str(out.parent), "--result-filename", out.name],
                    check=True, env={**os.environ, **peers.vllm_env()}, stdout=subprocess.DEVNULL)
@@ -70,7 +71,8 @@ def servegate_bench(url: str, tokenizer: Path, trace: Path, n: int, seed: int, o
     return json.loads(out.read_text())
 
 
-SERVER = {"mean_ttft_ms": "vllm:time_to_first_token_seconds", "mean_tpot_ms": "vllm:request_time_per_output_token_seconds",
+SERVER = {"mean_ttft_ms": "vllm:time_to_first_token_seconds",
+          "mean_tpot_ms": "vllm:request_time_per_output_token_seconds",
           "mean_e2el_ms": "vllm:e2e_request_latency_seconds"}
 
 
@@ -114,15 +116,12 @@ def main() -> None:
         for pair in range(1, args.pairs + 1):
             trace = Path(tmp) / f"trace-{pair}.jsonl"
             write_trace(trace, args.num_prompts, args.request_rate, seed=pair)
-            runs = {"vllm": lambda: vllm_bench(url, model, trace, args.num_prompts, pair,
-                                               Path(tmp) / f"vllm-{pair}.json"),
-                    "servegate": lambda: servegate_bench(url, model, trace, args.num_prompts, pair,
-                                                         Path(tmp) / f"servegate-{pair}.json")}
+            runs = {"vllm": vllm_bench, "servegate": servegate_bench}
             order = ["vllm", "servegate"] if pair % 2 else ["servegate", "vllm"]
             done, seen = {}, {}
             for name in order:
                 before = server_figures(url)
-                done[name] = runs[name]()
+                done[name] = runs[name](url, model, trace, args.num_prompts, pair, Path(tmp) / f"{name}-{pair}.json")
                 seen[name] = server_view(before, server_figures(url))
             theirs, ours = done["vllm"], done["servegate"]
             for tool, result in (("vllm bench serve", theirs), ("servegate bench", ours)):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -127,12 +128,12 @@ def test_text_that_is_not_unicode_and_numbers_no_runtime_takes_are_400s(base_url
     url = base_url[0]
     raw = {"content-type": "application/json", **AUTH}
     for path, body, where in [
-        ("/v1/completions", '{"model": "%s", "prompt": "hi \\ud800", "max_tokens": 2}' % MODEL, "prompt"),
-        ("/v1/chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}' % MODEL,
+        ("/v1/completions", {"model": MODEL, "prompt": "hi \ud800", "max_tokens": 2}, "prompt"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]},
          "messages.0.content"),
-        ("/v1/completions", '{"model": "%s", "prompt": "hi", "stop": ["\\udfff"]}' % MODEL, "stop.0"),
-    ]:
-        refused = httpx.post(f"{url}{path}", content=body.encode(), headers=raw)
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["\udfff"]}, "stop.0"),
+    ]:  # json.dumps escapes a lone surrogate as \\udXXX, as a client's JSON would carry it
+        refused = httpx.post(f"{url}{path}", content=json.dumps(body).encode(), headers=raw)
         assert refused.status_code == 400, refused.text
         assert where in refused.json()["error"]["message"] and "lone surrogate" in refused.json()["error"]["message"]
     for field, value in [("max_tokens", 10**30), ("seed", 10**30), ("top_k", 10**12)]:

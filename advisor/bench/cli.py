@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from typer.core import TyperCommand
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from typer.core import TyperCommand
 
 from .arrivals import arrival_times
 from .baselines import SYSTEMS, system_target
@@ -187,8 +187,9 @@ def bench(
     burstiness: Annotated[float, typer.Option(help="Gamma shape of arrivals; 1 is Poisson.")] = 1.0,
     max_concurrency: Annotated[int | None, typer.Option(help="Requests in flight at most.")] = None,
     num_warmups: Annotated[int, typer.Option(help="Unmeasured requests first.")] = 1,
-    goodput: Annotated[list[str] | None, typer.Option(help="SLO as KEY:MS (ttft, tpot, e2el); several after one --goodput as vLLM "
-                                                          "writes them (--goodput ttft:500 tpot:50), or repeated.")] = None,
+    goodput: Annotated[list[str] | None, typer.Option(
+        help="SLO as KEY:MS (ttft, tpot, e2el); several after one --goodput as vLLM writes them "
+             "(--goodput ttft:500 tpot:50), or repeated.")] = None,
     seed: Annotated[int, typer.Option()] = 0,
     sweep: Annotated[str | None, typer.Option(help="Comma-separated request rates to run in turn.")] = None,
     slo_attainment: Annotated[float, typer.Option(help="Share of requests meeting --goodput for a rate to count "
@@ -202,7 +203,7 @@ def bench(
 ) -> None:
     """Measure a serving target: TTFT, ITL, TPOT, end-to-end latency, throughput and SLO goodput."""
     try:
-        slo = parse_goodput([spec for value in goodput or [] for spec in value.split()])  # also 'ttft:1 tpot:2' 
+        slo = parse_goodput([spec for value in goodput or [] for spec in value.split()])  # also 'ttft:1 tpot:2'
         rates = [float(r) for r in sweep.split(",")] if sweep else [request_rate]
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None

@@ -15,12 +15,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from backends.base import BackendError, Delta, Finish, GenerateRequest, InvalidRequest, Usage
 
 from ..auth import Principal
-from . import MAX_TOKENS, ClientBody, TokenCount
 from ..calls import Call
 from ..deps import GatewayDep, InferencePrincipal
 from ..errors import GatewayError
 from ..generation import ClientDisconnected, Collected, collect, resume
 from ..service import Gateway
+from . import MAX_TOKENS, ClientBody, TokenCount
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
