@@ -207,20 +207,13 @@ class OpenAICompatBackend(Backend):
 
     async def scrape(self, path: str = "/metrics") -> Samples:
         """A Prometheus endpoint's samples; empty if it has none."""
-        from prometheus_client.parser import text_string_to_metric_families
-
         try:
             async with self.client.get(path, timeout=aiohttp.ClientTimeout(total=10)) as response:
                 if response.status != 200:
                     return Samples()
-                text = await response.text()
+                return Samples.parse(await response.text())
         except (aiohttp.ClientError, TimeoutError):
             return Samples()
-        samples = Samples()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                samples.values.setdefault(sample.name, []).append(sample.value)
-        return samples
 
 
 @dataclass
@@ -229,6 +222,17 @@ class Samples:
     per engine or data-parallel rank: counts and counters add up (`total`), fractions such as KV
     usage average (`mean`)."""
     values: dict[str, list[float]] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str) -> Samples:
+        """Prometheus' text format."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        samples = cls()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                samples.values.setdefault(sample.name, []).append(sample.value)
+        return samples
 
     def __bool__(self) -> bool:
         return bool(self.values)

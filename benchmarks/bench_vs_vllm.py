@@ -27,7 +27,6 @@ import tempfile
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -36,6 +35,7 @@ from advisor.bench.baselines import free_port  # noqa: E402
 from backends import peers  # noqa: E402
 from backends.builtin.loader import default_model_path, gguf_to_hf_dir  # noqa: E402
 from backends.launch import supervised  # noqa: E402
+from backends.openai_compat import Samples  # noqa: E402
 
 COMPARED = ("total_input_tokens", "total_output_tokens", "duration", "request_throughput", "output_throughput",
             "mean_ttft_ms", "mean_tpot_ms", "mean_e2el_ms")
@@ -76,19 +76,15 @@ SERVER = {"mean_ttft_ms": "vllm:time_to_first_token_seconds",
           "mean_e2el_ms": "vllm:e2e_request_latency_seconds"}
 
 
-def server_figures(url: str) -> dict[str, float]:
-    """vLLM's own histograms' sums and counts, and its prefix-cache counters."""
-    figures: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
-        for sample in family.samples:
-            figures[sample.name] = figures.get(sample.name, 0.0) + sample.value
-    return figures
+def server_figures(url: str) -> Samples:
+    """vLLM's own figures: its histograms' sums and counts, its prefix-cache counters."""
+    return Samples.parse(httpx.get(f"{url}/metrics", timeout=30).text)
 
 
-def server_view(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+def server_view(before: Samples, after: Samples) -> dict[str, float]:
     """What the server itself measured over one run: mean TTFT, TPOT, end to end, prefix hit rate."""
     def delta(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
+        return after.total(name) - before.total(name)
 
     view = {ours: 1000 * delta(f"{theirs}_sum") / delta(f"{theirs}_count")
             for ours, theirs in SERVER.items() if delta(f"{theirs}_count")}

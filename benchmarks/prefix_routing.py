@@ -31,7 +31,6 @@ from pathlib import Path
 
 import httpx
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -39,6 +38,7 @@ from advisor.bench.baselines import free_port, servegate_env  # noqa: E402
 from backends import peers  # noqa: E402
 from backends.builtin.loader import default_model_path, gguf_to_hf_dir  # noqa: E402
 from backends.launch import supervised  # noqa: E402
+from backends.openai_compat import Samples  # noqa: E402
 
 SERVEGATE = [sys.executable, "-c", "from gateway.cli import app; app()"]
 ROUTES = {
@@ -65,13 +65,9 @@ def replicas(args) -> Iterator[list[dict]]:
 
 def vllm_counters(entries: list[dict]) -> tuple[float, float]:
     """vLLM's own prefix-cache hits and queries (tokens), summed over the replicas."""
-    hits = queries = 0.0
-    for entry in entries:
-        for family in text_string_to_metric_families(httpx.get(f"{entry['url']}/metrics").text):
-            for sample in family.samples:
-                hits += sample.value if sample.name == "vllm:prefix_cache_hits_total" else 0.0
-                queries += sample.value if sample.name == "vllm:prefix_cache_queries_total" else 0.0
-    return hits, queries
+    scraped = [Samples.parse(httpx.get(f"{entry['url']}/metrics").text) for entry in entries]
+    return (sum(m.total("vllm:prefix_cache_hits_total") for m in scraped),
+            sum(m.total("vllm:prefix_cache_queries_total") for m in scraped))
 
 
 def run(policy: str, args, entries: list[dict]) -> dict:

@@ -32,16 +32,9 @@ def fixture(runtime: str) -> dict:
 
 
 def against(app, make, scenario):
-    async def main(url):
-        backend = make(url)
-        await backend.start()
-        try:
-            return await scenario(backend)
-        finally:
-            await backend.close()
-
+    """`scenario(backend)` with the backend `make(url)` builds for `app` served locally."""
     with serve_app(app) as url:
-        return asyncio.run(main(url))
+        return asyncio.run(against_url(make(url), scenario))
 
 
 def test_tgi_chat_and_generate_stream_with_tgis_validation():
