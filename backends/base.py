@@ -121,7 +121,10 @@ class BackendError(Exception):
     """Base of the error taxonomy. `code` is stable and machine-readable."""
 
     code = "upstream_error"
-    retryable = False  # may the same request succeed on another target?
+    # The one definition of retryable: the backend's fault, not the request's, so the same
+    # request may succeed on another target (failover), later (`Retry-After`), and the target's
+    # circuit breaker counts it.
+    retryable = False
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -158,6 +161,7 @@ class BackendTimeout(BackendError):
 
 class UpstreamError(BackendError):
     code = "upstream_error"
+    retryable = True
 
 
 def servegate_version() -> str:

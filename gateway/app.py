@@ -13,31 +13,38 @@ from backends.base import Backend
 
 from .api import admin, health, metrics, openai, tgi
 from .db import make_engine
-from .errors import install_error_handlers
+from .errors import BodyTooLarge, install_error_handlers
 from .service import Gateway
 from .settings import Settings
 
 log = logging.getLogger("servegate.gateway")
 
 
-class RouteHeader:
-    """Names the routing decision of an inference response in `x-servegate-route` (a plain ASGI
-    wrapper: streamed bodies pass through untouched)."""
+class BodyLimit:
+    """Refuses request bodies over `limit` bytes: at once when `Content-Length` says so, else
+    as soon as the bytes read pass it (chunked uploads), before the body is held in memory."""
 
-    def __init__(self, app) -> None:
-        self.app = app
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        too_large = not declared.isdigit() or int(declared) > self.limit
+        read = 0
 
-        async def send_with_route(message) -> None:
-            route = scope.get("state", {}).get("servegate_route")
-            if message["type"] == "http.response.start" and route:
-                message = {**message, "headers": [*message.get("headers", []), (b"x-servegate-route", route.encode())]}
-            await send(message)
+        async def limited_receive():
+            nonlocal read
+            if too_large:
+                raise BodyTooLarge(self.limit)
+            message = await receive()
+            read += len(message.get("body", b""))
+            if read > self.limit:
+                raise BodyTooLarge(self.limit)
+            return message
 
-        await self.app(scope, receive, send_with_route)
+        await self.app(scope, limited_receive, send)
 
 
 def create_app(backends: dict[str, Backend], settings: Settings | None = None, db: Engine | None = None) -> FastAPI:
@@ -67,7 +74,7 @@ def create_app(backends: dict[str, Backend], settings: Settings | None = None, d
 
     app = FastAPI(title="servegate", version="0.1.0", lifespan=lifespan)
     app.state.gateway = gateway
-    app.add_middleware(RouteHeader)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     install_error_handlers(app)
     for module in (health, metrics, openai, tgi, admin):
         app.include_router(module.router)

@@ -1,82 +1,155 @@
-"""One inference request's life at the gateway, the same for every API surface:
+"""One inference request's life, the same for every API surface and free of HTTP:
 
-limits -> quota reservation -> a backend slot (bounded queue) -> the backend stream, timed ->
-usage settled, recorded and measured. A route gives several backends in order: when one fails
-before its first event (down, overloaded, timed out), the next is tried; after the first event a
-failure reaches the client as an error, never as a silent truncation. The usage record is
-written when the backend's final event arrives, before the client receives the end of the
-response; a request that fails or whose client leaves is recorded too (`error` / `cancelled`)
-with the tokens it produced.
+quota reservation -> a backend slot (bounded queue) -> the backend's stream, timed -> one
+`Outcome`. A decision gives several backends in order: when one fails before its first event
+with an error another target may not share (`BackendError.retryable`), the next is tried; after
+the first event a failure reaches the client as an error, never as a silent truncation. Each
+attempt is told to its target's circuit breaker when it ends, so a failing target leaves the
+rotation at once, not when a long request that failed over finishes.
+
+The completion tokens of an outcome are what the client was sent, whatever the backend reports:
+token ids where the backend gives them, else at least one token per streamed piece; the
+backend's own usage counts only when it is higher. A stream that never finished (client gone,
+backend died) keeps the text it sent, for the gateway to have it tokenized.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
-
-from fastapi import Request
+from dataclasses import dataclass, field
+from datetime import datetime
 
 from backends.base import (
+    Backend,
     BackendError,
     BackendTimeout,
     Delta,
     Event,
+    Finish,
     GenerateRequest,
-    Overloaded,
-    Unavailable,
     UpstreamError,
     Usage,
 )
 from backends.timing import StreamTimer
 
-from . import shadow
 from .auth import Principal
 from .errors import GatewayError
-from .generation import open_stream
 from .models import utcnow
-from .quotas import QuotaExceeded, Reservation
-from .routing import Decision
-from .service import Gateway
+from .quotas import QuotaExceeded, QuotaStore, Reservation
+from .routing import Decision, ModelRouter
+from .settings import Settings
+from .telemetry import GatewayMetrics
 
 log = logging.getLogger("servegate.requests")
 UNKNOWN_CONTEXT = 131_072  # tokens; settled back to actual use when the request ends
-# Failures of the backend itself, worth another backend; the client's own errors are not.
-RETRYABLE = (Unavailable, Overloaded, BackendTimeout, UpstreamError)
+BYTES_PER_TOKEN = 4  # text without token ids, when nobody can tokenize it: English BPE averages ~4
+
+
+@dataclass(frozen=True)
+class CallEnv:
+    """What a call uses of the gateway: targets' state (router: admission, breakers), quotas,
+    metrics and timeouts."""
+
+    router: ModelRouter
+    quotas: QuotaStore
+    metrics: GatewayMetrics
+    settings: Settings
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one request ended: the single event the gateway hands to ledger, quotas, metrics,
+    canary and shadow comparison."""
+
+    request: GenerateRequest  # as sent to the backend
+    principal: Principal
+    decision: Decision
+    api: str
+    stream: bool
+    status: str  # ok | error | cancelled
+    error: str | None
+    usage: Usage
+    backend: str  # the target that answered or failed last; "" if none was reached
+    tried: tuple[str, ...]
+    ttft_ms: float | None
+    latency_ms: float
+    started_at: datetime
+    finished_at: datetime
+    reservation: Reservation | None
+    text: str = ""  # choice 0's text, kept when a shadow compares
+    # Unfinished streams' text that came without token ids, per choice: the gateway has it
+    # tokenized; `usage` holds an estimate until then.
+    recount: tuple[str, ...] = ()
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def route(self) -> str:
+        """Where it went and why (the `x-servegate-route` header, the log's `route`)."""
+        return self.decision.header(self.backend)
+
+
+@dataclass
+class Received:
+    """What the client was sent: token ids where given, else pieces of text."""
+
+    token_ids: int = 0
+    pieces: int = 0  # pieces of text without token ids
+    texts: dict[int, list[str]] = field(default_factory=dict)  # their text, per choice
+
+    def add(self, delta: Delta) -> None:
+        if delta.token_ids:
+            self.token_ids += len(delta.token_ids)
+        elif delta.text:
+            self.pieces += 1
+            self.texts.setdefault(delta.index, []).append(delta.text)
+
+    @property
+    def floor(self) -> int:
+        """Tokens the client surely received: one per id, at least one per piece."""
+        return self.token_ids + self.pieces
+
+    def estimate(self) -> int:
+        text_bytes = sum(len(piece.encode()) for pieces in self.texts.values() for piece in pieces)
+        return self.token_ids + max(self.pieces, math.ceil(text_bytes / BYTES_PER_TOKEN))
 
 
 class Call:
-    def __init__(self, gateway: Gateway, principal: Principal, decision: Decision, greq: GenerateRequest, api: str,
-                 stream: bool) -> None:
-        self.gw, self.principal, self.decision = gateway, principal, decision
-        self.model, self.backend = decision.model, decision.candidates[0]
-        self.greq, self.api, self.stream = greq, api, stream
+    def __init__(self, env: CallEnv, principal: Principal, decision: Decision, greq: GenerateRequest, api: str,
+                 stream: bool, *, billed: bool = True, keep_text: bool = False) -> None:
+        """`billed`: reserves quota and feeds the metrics (a shadow's mirrored call is not);
+        `keep_text`: choice 0's text goes into the outcome."""
+        self.env, self.principal, self.decision, self.greq = env, principal, decision, greq
+        self.api, self.stream, self.billed, self.keep_text = api, stream, billed, keep_text
         self.started, self.started_at = time.monotonic(), utcnow()
         self.prompt_tokens = 0
         self.reservation: Reservation | None = None
+        self.backend: Backend | None = None
+        self.tried: list[str] = []
         self.first_token_at: float | None = None
-        self.answered = False  # a backend sent its first event
-        self.produced = 0
-        self.finished = False
-        self.shadow: asyncio.Task | None = None  # the candidate's mirrored answer, when sampled
-        self.text = ""  # the primary's answer, kept only to compare with the shadow's
+        self.answered = False  # a backend sent its first event: no failover after it
+        self.received = Received()
+        self.text: list[str] = []
+        self.outcome: Outcome | None = None  # set once the request has ended
 
-    async def open(self, request: Request) -> tuple[Event, AsyncIterator[Event]]:
-        """Reserve, then start the backend and wait for its first event (errors raise here). The
-        backend that answered is named in the `x-servegate-route` response header."""
-        await self._reserve()
-        if self.decision.shadow is not None:
-            self.shadow = self.gw.spawn(shadow.mirror(self.gw, self.decision.shadow, self.greq))
+    async def open(self) -> tuple[Event, AsyncIterator[Event]]:
+        """Reserve, start, and wait for the first event: errors raise here, before a client is
+        sent anything. Returns it and the rest of the stream."""
+        if self.billed:
+            await self._reserve()
+        events = self._events()
         try:
-            opened = await open_stream(self._events(), request)
-            request.state.servegate_route = self.decision.header(self.backend)
-            return opened
-        except BaseException as exc:
-            if not self.finished:  # cancelled before the stream even started
-                error = exc.code if isinstance(exc, BackendError) else None
-                self._finish("error" if error else "cancelled", Usage(self.prompt_tokens, 0, 0), error)
+            return await anext(events), events
+        except BaseException:
+            await events.aclose()
             raise
 
     # -- before forwarding ------------------------------------------------------------------
@@ -88,50 +161,44 @@ class Call:
                                "invalid_request_error", code="max_tokens_exceeded", param="max_tokens")
         if cap is not None and max_tokens is None:
             self.greq = dataclasses.replace(self.greq, max_tokens=cap)
-        self.prompt_tokens = await self.backend.count_prompt_tokens(self.greq)
+        backend = self.decision.candidates[0]
+        self.prompt_tokens = await backend.count_prompt_tokens(self.greq)
         if self.greq.max_tokens is not None:
             completion = self.greq.max_tokens
         else:  # no cap asked: reserve what the context leaves (a generous bound when it is unknown)
-            context = (await self.backend.capabilities()).max_context or UNKNOWN_CONTEXT
+            context = (await backend.capabilities()).max_context or UNKNOWN_CONTEXT
             completion = max(context - self.prompt_tokens, 1)
         tokens = self.prompt_tokens + completion * self.greq.n
         try:
-            self.reservation = await self.gw.quotas.reserve(self.principal.quota_scopes(), tokens)
+            self.reservation = await self.env.quotas.reserve(self.principal.quota_scopes(), tokens)
         except QuotaExceeded as exc:
-            self.gw.metrics.quota_rejections.labels(self.principal.tenant.name, exc.limit).inc()
-            self._refuse_if_never_admissible(exc, tokens)
+            self.env.metrics.quota_rejections.labels(self.principal.tenant.name, exc.limit).inc()
+            if exc.limit in ("tpm", "tokens_per_day") and tokens > exc.value:
+                raise GatewayError(400, f"This request reserves {tokens} tokens (prompt + max_tokens), more than "
+                                   f"{exc.scope}'s limit of {exc.value} {exc.limit}; lower max_tokens.",
+                                   "invalid_request_error", code="rate_limit_exceeded", param="max_tokens") from None
             kind = "tokens" if exc.limit in ("tpm", "tokens_per_day") else "requests"
             raise GatewayError(429, exc.message, kind, code="rate_limit_exceeded",
                                headers={"Retry-After": str(int(exc.retry_after))}) from None
-
-    def _refuse_if_never_admissible(self, exc: QuotaExceeded, tokens: int) -> None:
-        limit = exc.value
-        if exc.limit in ("tpm", "tokens_per_day") and tokens > limit:
-            raise GatewayError(400, f"This request reserves {tokens} tokens (prompt + max_tokens), more than "
-                               f"{exc.scope}'s limit of {limit} {exc.limit}; lower max_tokens.",
-                               "invalid_request_error", code="rate_limit_exceeded", param="max_tokens") from None
 
     # -- the stream ---------------------------------------------------------------------
     async def _events(self) -> AsyncIterator[Event]:
         """The first candidate's events; the next candidate's when one fails before answering."""
         status, error = "cancelled", None
-        router, candidates = self.gw.router, self.decision.candidates
+        candidates = self.decision.candidates
         try:
             for number, backend in enumerate(candidates, 1):
                 self.backend = backend
                 try:
-                    async for event in self._attempt(backend):
-                        yield event
+                    async with self._slot(backend):
+                        async for event in self._timed(backend.generate(self.greq)):
+                            yield event
+                    return
                 except BackendError as exc:
-                    retryable = isinstance(exc, RETRYABLE)
-                    router.record(backend, ok=not retryable)  # a client's mistake is not the backend's
-                    if self.answered or not retryable or number == len(candidates):
+                    if self.answered or not exc.retryable or number == len(candidates):
                         raise
                     log.warning("backend %s failed before answering (%s); trying %s", backend.name, exc.code,
                                 candidates[number].name, extra={"request_id": self.greq.request_id})
-                    continue
-                router.record(backend, ok=True)
-                return
         except BackendError as exc:
             status, error = "error", exc.code
             raise
@@ -139,106 +206,89 @@ class Call:
             status, error = "error", "internal"
             raise
         finally:
-            if not self.finished:
-                self._finish(status, Usage(self.prompt_tokens, self.produced, 0), error)
+            if self.outcome is None:
+                self.outcome = self._outcome(status, error, None)
 
-    async def _attempt(self, backend) -> AsyncIterator[Event]:
-        admission, metrics = self.gw.admission[backend.name], self.gw.metrics
-        in_flight, itl = metrics.in_flight.labels(self.model), metrics.itl.labels(self.model)
-        await admission.acquire()
-        in_flight.inc()
-        last = 0.0
-        try:
+    @contextlib.asynccontextmanager
+    async def _slot(self, backend: Backend):
+        """A place in the backend's admission queue, for one attempt; the attempt's result goes
+        to the target's breaker (a client's mistake is not the backend's fault; an attempt that
+        never finished there hands a half-open breaker's probe back)."""
+        router, metrics = self.env.router, self.env.metrics
+        admission, breaker = router.admission[backend.name], router.breakers[backend.name]
+        await admission.acquire()  # refused here: this gateway's own queue is full, no fault of the target
+        self.tried.append(backend.name)
+        breaker.begin(time.monotonic())
+        if self.billed:
             metrics.overhead.observe(time.monotonic() - self.started)
-            async for event in self._timed(backend.generate(self.greq)):
-                self.answered = True
-                if isinstance(event, Delta):
-                    self.produced += len(event.token_ids)
-                    if self.shadow is not None and event.index == 0:
-                        self.text += event.text
-                    if event.text or event.token_ids:
-                        now = time.monotonic()
-                        if self.first_token_at is None:
-                            self.first_token_at = now
-                            metrics.ttft.labels(self.model).observe(now - self.started)
-                        else:
-                            itl.observe(now - last)
-                        last = now
-                else:
-                    if not event.usage.prompt_tokens:  # the backend could not say: our own count
-                        event = dataclasses.replace(
-                            event, usage=dataclasses.replace(event.usage, prompt_tokens=self.prompt_tokens))
-                    self._finish("ok", event.usage)  # recorded before the client sees the end
-                yield event
+            metrics.in_flight.labels(self.decision.model).inc()
+        try:
+            yield
+        except BackendError as exc:
+            breaker.record(not exc.retryable, time.monotonic())
+            raise
+        except BaseException:
+            breaker.release()
+            raise
+        else:
+            breaker.record(True, time.monotonic())
         finally:
             admission.release()
-            in_flight.dec()
+            if self.billed:
+                metrics.in_flight.labels(self.decision.model).dec()
 
     async def _timed(self, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
         """The backend's events, each within the idle timeout and all within the request timeout
-        (the route's `timeout_s` where it sets one)."""
-        settings = self.gw.settings
+        (the route's `timeout_s` where it sets one), counted as they pass."""
+        settings, metrics, model = self.env.settings, self.env.metrics, self.decision.model
         loop = asyncio.get_running_loop()
         timeout = self.decision.timeout_s or settings.request_timeout_s
         timer = StreamTimer(settings.idle_timeout_s, self.started - time.monotonic() + loop.time() + timeout)
+        itl, last = metrics.itl.labels(model), 0.0
         try:
             while True:
                 try:
                     event = await timer.next(events)
                 except StopAsyncIteration:
-                    return
+                    raise UpstreamError(f"{self.backend.name}: the stream ended without finishing") from None
                 except TimeoutError:
                     raise BackendTimeout(f"the backend sent nothing for {settings.idle_timeout_s:g} s, or the "
                                          f"request outlived {timeout:g} s") from None
+                self.answered = True
+                if isinstance(event, Finish):
+                    self.outcome = self._outcome("ok", None, event.usage)  # settled before the client sees the end
+                    yield dataclasses.replace(event, usage=self.outcome.usage)
+                    return
+                self.received.add(event)
+                if self.keep_text and event.index == 0:
+                    self.text.append(event.text)
+                if event.text or event.token_ids:
+                    now = time.monotonic()
+                    if self.first_token_at is None:
+                        self.first_token_at = now
+                        if self.billed:
+                            metrics.ttft.labels(model).observe(now - self.started)
+                    elif self.billed:
+                        itl.observe(now - last)
+                    last = now
                 yield event
         finally:
             timer.cancel()
             await events.aclose()
 
     # -- after ------------------------------------------------------------------------------
-    def _compare(self, status: str, usage: Usage, ttft_ms: float | None, latency_ms: float) -> None:
-        """Record the shadow's answer beside this one; a failed or abandoned primary has nothing to
-        compare with, so its shadow is dropped."""
-        if status != "ok":
-            self.shadow.cancel()
-            return
-        d = self.decision
-        primary = shadow.Answer(self.text, usage.completion_tokens, ttft_ms, latency_ms)
-        self.gw.spawn(shadow.record(self.gw, d.alias, d.version, self.greq, self.backend.name, primary,
-                                    d.shadow.name, self.shadow))
-
-    def _route_label(self) -> str:
-        d = self.decision
-        return self.model if d.alias is None else f"{d.alias}@{d.version}"
-
-    def _finish(self, status: str, usage: Usage, error: str | None = None) -> None:
-        self.finished = True
-        now = time.monotonic()
-        tenant = self.principal.tenant.name
-        backend = getattr(self.backend, "name", "")
-        ttft_ms = None if self.first_token_at is None else (self.first_token_at - self.started) * 1000
-        record = {
-            "request_id": self.greq.request_id, "tenant": tenant, "key_prefix": self.principal.key_prefix,
-            "model": self.model, "backend": backend, "route": self._route_label(), "api": self.api,
-            "stream": self.stream,
-            "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "cached_tokens": usage.cached_tokens, "ttft_ms": ttft_ms, "latency_ms": (now - self.started) * 1000,
-            "status": status, "error_type": error, "started_at": self.started_at, "finished_at": utcnow(),
-        }
-        self.gw.ledger.record(record)
-        self.gw.canary.observe(self.decision, status, ttft_ms, record["latency_ms"], usage.completion_tokens)
-        if self.shadow is not None:
-            self._compare(status, usage, ttft_ms, record["latency_ms"])
-        if self.reservation is not None:
-            self.gw.spawn(self.gw.quotas.settle(self.reservation, usage.prompt_tokens + usage.completion_tokens))
-        metrics = self.gw.metrics
-        metrics.requests.labels(tenant, self.model, backend, status).inc()
-        metrics.e2e.labels(self.model).observe(now - self.started)
-        for kind in ("prompt", "completion", "cached"):
-            metrics.tokens.labels(tenant, self.model, kind).inc(getattr(usage, f"{kind}_tokens"))
-        extra = {k: record[k] for k in ("request_id", "tenant", "model", "status", "error_type", "prompt_tokens",
-                                         "completion_tokens", "ttft_ms", "latency_ms")}
-        extra["route"] = self.decision.header(self.backend)  # which version and backend, and why
-        if self.gw.settings.log_prompts:
-            extra["prompt"] = self.greq.prompt or self.greq.messages
-        log.info("request finished", extra=extra)
+    def _outcome(self, status: str, error: str | None, reported: Usage | None) -> Outcome:
+        received, recount = self.received, ()
+        if reported is not None:  # the backend's own count where it says more than the client got
+            usage = Usage(reported.prompt_tokens or self.prompt_tokens,
+                          max(reported.completion_tokens, received.floor), reported.cached_tokens)
+        else:
+            usage = Usage(self.prompt_tokens, received.estimate())
+            recount = tuple("".join(received.texts[i]) for i in sorted(received.texts))
+        return Outcome(
+            request=self.greq, principal=self.principal, decision=self.decision, api=self.api,
+            stream=self.stream, status=status, error=error, usage=usage,
+            backend=self.backend.name if self.backend else "", tried=tuple(self.tried),
+            ttft_ms=None if self.first_token_at is None else (self.first_token_at - self.started) * 1000,
+            latency_ms=(time.monotonic() - self.started) * 1000, started_at=self.started_at, finished_at=utcnow(),
+            reservation=self.reservation, text="".join(self.text), recount=recount)

@@ -13,12 +13,14 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from sqlalchemy import Engine
 from sqlmodel import Session
 
 from policies.rollout import RolloutPolicy
 
 from . import routes
-from .routing import Decision
+from .routing import Decision, ModelRouter
+from .telemetry import GatewayMetrics
 
 log = logging.getLogger("servegate.canary")
 ACTOR = "canary-guard"
@@ -70,8 +72,8 @@ def verdict(policy: RolloutPolicy, active: Stats, canary: Stats) -> str | None:
 
 
 class CanaryGuard:
-    def __init__(self, gateway, policy: RolloutPolicy) -> None:
-        self.gw, self.policy = gateway, policy
+    def __init__(self, router: ModelRouter, db: Engine, metrics: GatewayMetrics, policy: RolloutPolicy) -> None:
+        self.router, self.db, self.metrics, self.policy = router, db, metrics, policy
         self.samples: dict[tuple[str, int], deque[Sample]] = {}
         self.clean_since: dict[tuple[str, int], float] = {}
 
@@ -79,7 +81,7 @@ class CanaryGuard:
                 tokens: int) -> None:
         """One finished request of a route while it runs a canary (cancelled ones say nothing about
         the backend); samples older than the window are dropped as new ones come."""
-        state = self.gw.router.routes.get(decision.alias) if decision.alias is not None else None
+        state = self.router.routes.get(decision.alias) if decision.alias is not None else None
         if state is None or state.canary is None or status == "cancelled":
             return
         tpot = (latency_ms - ttft_ms) / (tokens - 1) if ttft_ms is not None and tokens > 1 else None
@@ -106,11 +108,11 @@ class CanaryGuard:
                 log.exception("canary check failed")
 
     async def check(self) -> None:
-        live = {(alias, v.version) for alias, state in self.gw.router.routes.items()
+        live = {(alias, v.version) for alias, state in self.router.routes.items()
                 for v in (state.active, state.canary) if v is not None}
         for key in set(self.samples) - live:  # versions retired since: nothing left to compare
             del self.samples[key]
-        for alias, state in list(self.gw.router.routes.items()):
+        for alias, state in list(self.router.routes.items()):
             if state.active is None or state.canary is None:
                 continue
             key = (alias, state.canary.version)
@@ -129,10 +131,10 @@ class CanaryGuard:
                                         f"clean for {wait:g} s over {canary.requests} requests")
 
     def _act(self, action: str, alias: str, version: int, reason: str) -> None:
-        with Session(self.gw.db) as session:
+        with Session(self.db) as session:
             done = routes.end_canary(session, ACTOR, alias, version, reason, action)
+            self.router.set_routes(routes.table(session))  # this replica follows at once
         if done:
             log.warning("canary %s@%d: %s (%s)", alias, version, action, reason)
-            self.gw.metrics.canary_actions.labels(alias, action).inc()
+            self.metrics.canary_actions.labels(alias, action).inc()
             self.clean_since.pop((alias, version), None)
-        self.gw.load_routes()

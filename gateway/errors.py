@@ -11,7 +11,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from backends.base import (
@@ -37,6 +37,18 @@ STATUS = {
     BackendTimeout: (504, "timeout_error"),
     UpstreamError: (502, "upstream_error"),
 }
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away; its call was cancelled. Answered 499 (to nobody), never logged."""
+
+
+class BodyTooLarge(HTTPException):
+    """Raised while the body is read (FastAPI passes HTTP exceptions from there through), so the
+    answer takes the shape of the route's API."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"The request body is larger than this gateway accepts ({limit} bytes).")
 
 
 class GatewayError(Exception):
@@ -101,6 +113,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(request, _validation_error(exc))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:

@@ -1,9 +1,10 @@
-"""Running a backend request on behalf of an HTTP client, shared by every API surface.
+"""Running a `Call` for an HTTP client, shared by the OpenAI and TGI surfaces.
 
-The first event is awaited before any response byte is sent, so validation and overload
-errors become proper HTTP statuses instead of a broken stream. A client that disconnects,
-while we wait or mid-stream, cancels the backend request (its stream is closed, which
-releases the backend's resources).
+The first event is awaited before any response byte is sent, so validation and overload errors
+become proper HTTP statuses instead of a broken stream. A client that disconnects, while we wait
+or mid-stream, cancels the call: its stream is closed, which releases the backend's resources.
+The call is handed back to the gateway exactly once: when its final event passes (so the usage
+record is written before the client receives the end), or when its stream ends otherwise.
 """
 
 from __future__ import annotations
@@ -15,11 +16,15 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from backends.base import Delta, Event, Finish, UpstreamError
+from backends.base import Delta, Event, Finish, GenerateRequest
 
+from .auth import Principal
+from .calls import Call
+from .errors import ClientDisconnected
+from .routing import Decision
+from .service import Gateway
 
-class ClientDisconnected(Exception):
-    """The HTTP client went away; the backend request was cancelled."""
+ROUTE_HEADER = "x-servegate-route"
 
 
 async def _disconnected(request: Request) -> None:
@@ -43,50 +48,66 @@ async def until_disconnect(request: Request, awaitable: Awaitable):
         watcher.cancel()
 
 
-async def open_stream(events: AsyncIterator[Event], request: Request) -> tuple[Event, AsyncIterator[Event]]:
-    """Start generation and wait for its first event (errors raise here, before any byte)."""
+@dataclass
+class Started:
+    events: AsyncIterator[Event]  # the whole stream, first event included
+    headers: dict[str, str]  # the routing decision, for the response
+
+
+async def start(gateway: Gateway, request: Request, principal: Principal, decision: Decision,
+                greq: GenerateRequest, api: str, stream: bool) -> Started:
+    """Reserve and start the call, and wait for its first event (errors raise here)."""
+    call = gateway.call(principal, decision, greq, api, stream)
     try:
-        first = await until_disconnect(request, anext(events))
+        first, events = await until_disconnect(request, call.open())
     except BaseException:
-        await events.aclose()
+        gateway.settle(call)
         raise
-    return first, events
+    return Started(_settled(gateway, call, first, events), {ROUTE_HEADER: decision.header(call.backend.name)})
 
 
-async def resume(first: Event, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
-    """The whole stream again, first event included; closing it closes the backend stream."""
+async def _settled(gateway: Gateway, call: Call, first: Event, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    settled = False
     try:
-        yield first
-        async for event in events:
+        event = first
+        while True:
+            if isinstance(event, Finish):
+                gateway.settle(call)
+                settled = True
             yield event
+            event = await anext(events)
+    except StopAsyncIteration:
+        return
     finally:
         await events.aclose()
+        if not settled:
+            gateway.settle(call)
 
 
 @dataclass
 class Collected:
     texts: dict[int, list[str]] = field(default_factory=dict)
     extras: dict[int, list[dict]] = field(default_factory=dict)  # Delta.extra, in order
+    deltas: list[Delta] = field(default_factory=list)
     finish: Finish | None = None
 
     def text(self, index: int) -> str:
         return "".join(self.texts.get(index, ()))
 
 
-async def collect(first: Event, events: AsyncIterator[Event], request: Request) -> Collected:
+async def collect(started: Started, request: Request) -> Collected:
     """Gather a whole non-streamed answer, still cancelling it if the client leaves."""
 
     async def gather() -> Collected:
         result = Collected()
-        async for event in resume(first, events):
+        async for event in started.events:
             if isinstance(event, Delta):
+                result.deltas.append(event)
                 result.texts.setdefault(event.index, []).append(event.text)
                 if event.extra:
                     result.extras.setdefault(event.index, []).append(event.extra)
             else:
                 result.finish = event
-        if result.finish is None:
-            raise UpstreamError("the backend ended the stream without finishing")
         return result
 
     return await until_disconnect(request, gather())

@@ -7,6 +7,7 @@ generator makes every choice reproducible."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 import time
@@ -17,6 +18,7 @@ from backends.base import Backend, Capabilities, InvalidRequest, Load, ModelNotF
 from policies import rules
 from policies.matrix import matrices
 
+from .admission import Admission
 from .routes import PrefixAware, RouteOut, RouteState, Target
 
 # Capabilities.runtime -> the support matrix that describes it.
@@ -45,18 +47,20 @@ class Decision:
     timeout_s: float | None = None  # the route's, over the gateway's request timeout
     shadow: Backend | None = None  # mirror this request to it
 
-    def header(self, backend: Backend) -> str:
+    def header(self, backend: str) -> str:
         """The `x-servegate-route` value once `backend` answered."""
         if self.alias is None:
-            return f"model={self.model}; backend={backend.name}"
-        return (f"alias={self.alias}; version={self.version}; variant={self.variant}; backend={backend.name}; "
+            return f"model={self.model}; backend={backend}"
+        return (f"alias={self.alias}; version={self.version}; variant={self.variant}; backend={backend}; "
                 f"reason={self.reason}")
 
 
 @dataclass
 class Breaker:
-    """Consecutive failures open it for `cooldown_s`; then one request at a time may probe it
-    (half-open), and a success closes it."""
+    """Consecutive failures open it for `cooldown_s`; then it is half-open: one request at a time
+    may probe it, and a success closes it. Reading it (`allows`) changes nothing: the probe is
+    claimed only when a request really starts on the target (`begin`), and handed back if that
+    request never finishes there (`release`: cancelled, refused before sending)."""
     threshold: int = 3
     cooldown_s: float = 10.0
     failures: int = 0
@@ -64,12 +68,14 @@ class Breaker:
     probing: bool = False
 
     def allows(self, now: float) -> bool:
-        if self.opened_at is None:
-            return True
-        if now - self.opened_at >= self.cooldown_s and not self.probing:
+        return self.opened_at is None or (now - self.opened_at >= self.cooldown_s and not self.probing)
+
+    def begin(self, now: float) -> None:
+        if self.opened_at is not None and now - self.opened_at >= self.cooldown_s:
             self.probing = True
-            return True
-        return False
+
+    def release(self) -> None:
+        self.probing = False
 
     def record(self, ok: bool, now: float) -> None:
         self.probing = False
@@ -112,15 +118,17 @@ class PrefixIndex:
 
 
 class ModelRouter:
-    def __init__(self, backends: dict[str, Backend], seed: int | None = None) -> None:
+    def __init__(self, backends: dict[str, Backend], seed: int | None = None, breaker: Breaker | None = None,
+                 admission: dict[str, Admission] | None = None) -> None:
         self.backends = backends  # served model id -> backend
         self.by_name = {b.name: b for b in backends.values()}
         self.routes: dict[str, RouteState] = {}
         self.rng = random.Random(seed)
-        self.breakers: dict[str, Breaker] = {name: Breaker() for name in self.by_name}
+        self.breakers = {name: dataclasses.replace(breaker or Breaker()) for name in self.by_name}
+        # this replica's backpressure per backend: its queue counts in least-loaded choices
+        self.admission = admission if admission is not None else {}
         self.loads: dict[str, Load] = {}  # polled from the backends
         self.capabilities: dict[str, Capabilities] = {}  # read once each backend answers
-        self.pending = lambda name: 0  # this replica's requests in flight or queued per backend
         self.down: set[str] = set()  # targets whose health check says they are down
         self.prefixes = PrefixIndex()
 
@@ -244,13 +252,10 @@ class ModelRouter:
         """Requests ahead of a new one: the backend's own count (all replicas' traffic, as last
         polled) or this replica's, whichever is larger."""
         load = self.loads.get(backend)
-        return max((load.waiting + load.running) if load else 0, self.pending(backend))
+        admission = self.admission.get(backend)
+        pending = admission.in_flight + admission.queued if admission else 0
+        return max((load.waiting + load.running) if load else 0, pending)
 
     def _kv_usage(self, backend: str) -> float:
         load = self.loads.get(backend)
         return load.kv_usage if load else 0.0
-
-    # -- what the calls report back --------------------------------------------------------------
-    def record(self, backend: Backend, ok: bool) -> None:
-        breaker = self.breakers.setdefault(backend.name, Breaker())
-        breaker.record(ok, time.monotonic())

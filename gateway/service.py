@@ -1,44 +1,53 @@
 """The gateway's shared state, one per process: who may call (directory), how much (quotas),
-what they used (ledger), how many at once (admission), and what it all looks like (metrics)."""
+what they used (ledger), how many at once (admission, in the router), and what it all looks
+like (metrics). A request runs as a `Call`; its one `Outcome` comes back here (`settle`) and is
+handed on to the ledger, quota settlement, metrics, the canary guard and shadow comparison."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 
 from sqlalchemy import Engine
 
-from backends.base import Backend, Health
+from backends.base import Backend, GenerateRequest, Health
 from policies.rollout import ROLLOUT, load_rollout
 
+from . import shadow
 from .admission import Admission
 from .auth import Directory, Principal
+from .calls import Call, CallEnv, Outcome
 from .canary import CanaryGuard
 from .ledger import UsageLedger
 from .quotas import MemoryQuotaStore, QuotaStore, RedisQuotaStore
-from .routing import Decision, ModelRouter, RequestFacts
+from .routing import Breaker, Decision, ModelRouter, RequestFacts
 from .settings import Settings
 from .telemetry import GatewayMetrics
 
 log = logging.getLogger("servegate.gateway")
+requests_log = logging.getLogger("servegate.requests")
+RECOUNT_TIMEOUT_S = 5.0
 
 
 class Gateway:
     def __init__(self, backends: dict[str, Backend], settings: Settings, db: Engine) -> None:
         self.settings, self.db = settings, db
-        self.router = ModelRouter(backends, settings.route_seed)
+        admission = {  # per backend, by name
+            b.name: Admission(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s)
+            for b in backends.values()
+        }
+        self.router = ModelRouter(backends, settings.route_seed,
+                                  Breaker(settings.breaker_failures, settings.breaker_cooldown_s), admission)
         self.directory = Directory(db, settings)
         self.quotas: QuotaStore = RedisQuotaStore(settings.redis_url) if settings.redis_url else MemoryQuotaStore()
         self.ledger = UsageLedger(db, settings.spool_dir, settings.usage_flush_s)
         self.metrics = GatewayMetrics()
-        self.admission = {  # per backend, by name
-            name: Admission(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s)
-            for name in self.router.by_name
-        }
-        self.router.pending = lambda name: self.admission[name].in_flight + self.admission[name].queued
+        self.env = CallEnv(self.router, self.quotas, self.metrics, settings)
         self._tasks: set[asyncio.Task] = set()
-        self.canary = CanaryGuard(self, load_rollout(settings.rollout_policy or ROLLOUT))
+        self._shadows: dict[str, asyncio.Task] = {}  # request id -> its mirrored call, until the primary ends
+        self.canary = CanaryGuard(self.router, db, self.metrics, load_rollout(settings.rollout_policy or ROLLOUT))
 
     async def start(self) -> None:
         await asyncio.to_thread(self.directory.load)  # the first read must succeed: no keys, no service
@@ -71,6 +80,84 @@ class Gateway:
                 stream: bool = False) -> Decision:
         facts = RequestFacts(principal.tenant.name, principal.tenant.tier, prompt, max_tokens or 0, stream)
         return self.router.resolve(model, self.visible_models(principal), facts)
+
+    # -- requests -----------------------------------------------------------------------------
+    def call(self, principal: Principal, decision: Decision, greq: GenerateRequest, api: str, stream: bool) -> Call:
+        """A request to run; when the decision mirrors it, its shadow starts at the same time, through
+        the same admission and timeouts, unbilled."""
+        if decision.shadow is not None:
+            mirrored = Call(self.env, principal, dataclasses.replace(decision, candidates=[decision.shadow]),
+                            dataclasses.replace(greq, request_id=f"{greq.request_id}-shadow"), api, stream,
+                            billed=False, keep_text=True)
+            self._shadows[greq.request_id] = self.spawn(_drained(mirrored))
+        return Call(self.env, principal, decision, greq, api, stream, keep_text=decision.shadow is not None)
+
+    def settle(self, call: Call) -> None:
+        """A call's end: its outcome handed on. A call refused before it reached a backend (quota,
+        limits) has none; only its shadow is dropped."""
+        if call.outcome is None:
+            mirrored = self._shadows.pop(call.greq.request_id, None)
+            if mirrored is not None:
+                mirrored.cancel()
+            return
+        self._record(call.outcome)
+
+    def _record(self, outcome: Outcome) -> None:
+        """Text that came without token ids from a stream that never finished is tokenized first
+        (in the background: the client is gone or failed already)."""
+        if outcome.recount:
+            self.spawn(self._settle_recounted(outcome))
+            return
+        tenant, model, usage = outcome.principal.tenant.name, outcome.decision.model, outcome.usage
+        record = {
+            "request_id": outcome.request_id, "tenant": tenant, "key_prefix": outcome.principal.key_prefix,
+            "model": model, "backend": outcome.backend, "route": _route_label(outcome.decision), "api": outcome.api,
+            "stream": outcome.stream, "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens, "cached_tokens": usage.cached_tokens,
+            "ttft_ms": outcome.ttft_ms, "latency_ms": outcome.latency_ms, "status": outcome.status,
+            "error_type": outcome.error, "started_at": outcome.started_at, "finished_at": outcome.finished_at,
+        }
+        self.ledger.record(record)
+        if outcome.reservation is not None:
+            self.spawn(self.quotas.settle(outcome.reservation, usage.total_tokens))
+        self.canary.observe(outcome.decision, outcome.status, outcome.ttft_ms, outcome.latency_ms,
+                            usage.completion_tokens)
+        mirrored = self._shadows.pop(outcome.request_id, None)
+        if mirrored is not None:
+            self._compare(outcome, mirrored)
+        m = self.metrics
+        m.requests.labels(tenant, model, outcome.backend, outcome.status).inc()
+        m.e2e.labels(model).observe(outcome.latency_ms / 1000)
+        for kind in ("prompt", "completion", "cached"):
+            m.tokens.labels(tenant, model, kind).inc(getattr(usage, f"{kind}_tokens"))
+        extra = {k: record[k] for k in ("request_id", "tenant", "model", "status", "error_type", "prompt_tokens",
+                                         "completion_tokens", "ttft_ms", "latency_ms")}
+        extra["route"] = outcome.route
+        if outcome.tried[:-1]:
+            extra["failed_over"] = list(outcome.tried[:-1])
+        if self.settings.log_prompts:
+            extra["prompt"] = outcome.request.prompt or outcome.request.messages
+        requests_log.info("request finished", extra=extra)
+
+    async def _settle_recounted(self, outcome: Outcome) -> None:
+        """The unfinished stream's text tokenized by its backend where it can; else the estimate
+        stands. Never below one token per piece the client was sent."""
+        usage = outcome.usage
+        backend = self.router.by_name.get(outcome.backend)
+        with contextlib.suppress(Exception):  # the estimate stands
+            if backend is not None and (await backend.capabilities()).tokenize:
+                async with asyncio.timeout(RECOUNT_TIMEOUT_S):
+                    counts = [len(await backend.tokenize(text)) for text in outcome.recount]
+                usage = dataclasses.replace(usage, completion_tokens=max(sum(counts), len(outcome.recount)))
+        self._record(dataclasses.replace(outcome, usage=usage, recount=()))
+
+    def _compare(self, primary: Outcome, mirrored: asyncio.Task) -> None:
+        """The shadow's answer beside the primary's; a failed or abandoned primary has nothing to
+        compare with, so its shadow is dropped."""
+        if primary.status != "ok":
+            mirrored.cancel()
+            return
+        self.spawn(shadow.record(self.db, primary, mirrored))
 
     # -- routes -------------------------------------------------------------------------------
     def load_routes(self) -> None:
@@ -109,3 +196,16 @@ class Gateway:
                     if name not in self.router.capabilities:
                         self.router.capabilities[name] = await backend.capabilities()
             await asyncio.sleep(self.settings.load_poll_s)
+
+
+def _route_label(decision: Decision) -> str:
+    return decision.model if decision.alias is None else f"{decision.alias}@{decision.version}"
+
+
+async def _drained(call: Call) -> Outcome:
+    """Run a call to its end, for nobody: its outcome is what matters."""
+    with contextlib.suppress(Exception):
+        _, events = await call.open()
+        async for _ in events:
+            pass
+    return call.outcome

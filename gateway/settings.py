@@ -44,6 +44,8 @@ class Settings(BaseSettings):
     jwt_issuer: str | None = None
     jwt_tenant_claim: str = "tenant"
     jwt_scope_claim: str = "scope"
+    # The scope value that makes a token an operator's (global administration); unset, no token is.
+    jwt_operator_scope: str | None = None
 
     # Backpressure, per backend: requests in flight, then a bounded wait queue.
     max_in_flight: int = 64
@@ -52,6 +54,13 @@ class Settings(BaseSettings):
     # A request's whole life, and the longest silence between two events of a stream.
     request_timeout_s: float = 600.0
     idle_timeout_s: float = 60.0
+    # A route target failing this many times in a row is skipped for the cooldown, then probed.
+    breaker_failures: int = 3
+    breaker_cooldown_s: float = 10.0
+    # The largest request body accepted (413 beyond it).
+    max_body_bytes: int = 8 * 1024 * 1024
+    # `/metrics` answers loopback clients freely; others must send this token as a bearer.
+    metrics_token: str | None = None
 
     @property
     def jwt_enabled(self) -> bool:

@@ -7,82 +7,48 @@ costs the client nothing."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import difflib
 import logging
-import time
-from dataclasses import dataclass
 
+from sqlalchemy import Engine
 from sqlmodel import Session, col, select
 
-from backends.base import Backend, BackendError, Delta, GenerateRequest
-
+from .calls import Outcome
 from .models import ShadowResult
 
 log = logging.getLogger("servegate.shadow")
 GREEDY_BELOW = 1e-5  # temperature under which sampling is greedy, as the engines treat it
 
 
-@dataclass
-class Answer:
-    text: str = ""
-    tokens: int = 0
-    ttft_ms: float | None = None
-    latency_ms: float = 0.0
-    error: str | None = None
-
-
-async def mirror(gateway, backend: Backend, greq: GenerateRequest) -> Answer:
-    """The candidate's answer to the same request, within the gateway's request timeout."""
-    answer, started = Answer(), time.monotonic()
-    admission = gateway.admission[backend.name]
-    shadow = dataclasses.replace(greq, request_id=f"{greq.request_id}-shadow")
-    try:
-        await admission.acquire()
-        try:
-            async with asyncio.timeout(gateway.settings.request_timeout_s):
-                async for event in backend.generate(shadow):
-                    if isinstance(event, Delta) and event.index == 0 and event.text:
-                        if answer.ttft_ms is None:
-                            answer.ttft_ms = (time.monotonic() - started) * 1000
-                        answer.text += event.text
-                    elif not isinstance(event, Delta):
-                        answer.tokens = event.usage.completion_tokens
-        finally:
-            admission.release()
-    except BackendError as exc:
-        answer.error = exc.code
-    except TimeoutError:
-        answer.error = "timeout"
-    answer.latency_ms = (time.monotonic() - started) * 1000
-    return answer
-
-
 def similarity(a: str, b: str) -> float:
     return difflib.SequenceMatcher(None, a.split(), b.split(), autojunk=False).ratio()
 
 
-async def record(gateway, alias: str, version: int, greq: GenerateRequest, primary_backend: str,
-                 primary: Answer, shadow_backend: str, pending: asyncio.Task) -> None:
-    """Wait for the candidate, then store both answers side by side."""
-    shadow = await pending
+async def record(db: Engine, primary: Outcome, pending: asyncio.Task) -> None:
+    """Wait for the candidate's outcome, then store both answers side by side."""
+    mirrored: Outcome = await pending
+    failed = mirrored.status != "ok"
+    decision = primary.decision
     row = ShadowResult(
-        alias=alias, version=version, request_id=greq.request_id, primary_backend=primary_backend,
-        shadow_backend=shadow_backend, greedy=greq.temperature < GREEDY_BELOW, primary_ttft_ms=primary.ttft_ms,
-        shadow_ttft_ms=shadow.ttft_ms, primary_latency_ms=primary.latency_ms, shadow_latency_ms=shadow.latency_ms,
-        primary_tokens=primary.tokens, shadow_tokens=shadow.tokens, shadow_error=shadow.error,
-        exact_match=shadow.error is None and primary.text == shadow.text,
-        similarity=0.0 if shadow.error else similarity(primary.text, shadow.text))
+        alias=decision.alias, version=decision.version, request_id=primary.request_id,
+        primary_backend=primary.backend, shadow_backend=decision.shadow.name,
+        greedy=primary.request.temperature < GREEDY_BELOW,
+        primary_ttft_ms=primary.ttft_ms, shadow_ttft_ms=mirrored.ttft_ms,
+        primary_latency_ms=primary.latency_ms, shadow_latency_ms=mirrored.latency_ms,
+        primary_tokens=primary.usage.completion_tokens, shadow_tokens=mirrored.usage.completion_tokens,
+        shadow_error=mirrored.error or ("cancelled" if failed else None),
+        exact_match=not failed and primary.text == mirrored.text,
+        similarity=0.0 if failed else similarity(primary.text, mirrored.text))
 
     def insert() -> None:
-        with Session(gateway.db) as session:
+        with Session(db) as session:
             session.add(row)
             session.commit()
 
     try:
         await asyncio.to_thread(insert)
     except Exception:  # a lost comparison must not disturb anything else
-        log.exception("shadow result for %s not recorded", greq.request_id)
+        log.exception("shadow result for %s not recorded", primary.request_id)
 
 
 def report(session: Session, alias: str) -> list[dict]:

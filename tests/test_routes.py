@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from advisor.bench import stub
 from backends.base import Capabilities, InvalidRequest, Load
 from backends.openai_compat import OpenAICompatBackend, OpenAICompatConfig
+from gateway.admission import Admission
 from gateway.routes import PrefixAware, RouteOut, RouteSpec, RouteState, Target
 from gateway.routing import Breaker, ModelRouter, PrefixIndex, RequestFacts
 
@@ -67,18 +68,21 @@ def test_the_canary_gets_its_share():
 
 def test_a_failing_target_is_skipped_while_its_breaker_is_open_then_probed():
     router = router_with("a", "b", targets=[Target(backend="a", weight=100), Target(backend="b", weight=1)])
-    router.breakers["a"] = Breaker(threshold=3, cooldown_s=0.2)
+    breaker = router.breakers["a"] = Breaker(threshold=3, cooldown_s=0.2)
     for _ in range(3):
-        router.record(router.by_name["a"], ok=False)
+        breaker.record(False, time.monotonic())
     decision = router.resolve("chat", ["chat"])
     assert [b.name for b in decision.candidates] == ["b"] and "skipped a (down or circuit open)" in decision.reason
     time.sleep(0.25)
     names = lambda: [b.name for b in router.resolve("chat", ["chat"]).candidates]  # noqa: E731
-    assert "a" in names()  # half-open: one probe may go to it
+    assert all("a" in names() for _ in range(5))  # half-open: routing reads it without taking the probe
+    breaker.begin(time.monotonic())  # a request starts on it: the one probe is out
     assert names() == ["b"]  # while that probe is out, the others wait
-    router.record(router.by_name["a"], ok=True)
-    breaker = router.breakers["a"]
-    assert breaker.opened_at is None and breaker.failures == 0
+    breaker.release()  # the probe never finished (its client left): the next request may probe
+    assert "a" in names()
+    breaker.begin(time.monotonic())
+    breaker.record(True, time.monotonic())
+    assert breaker.opened_at is None and breaker.failures == 0 and names()[0] == "a"
 
 
 def test_a_target_whose_health_check_fails_is_skipped_until_it_recovers():
@@ -93,9 +97,10 @@ def test_least_loaded_picks_the_shortest_queue():
     router = router_with("a", "b", targets=[Target(backend="a"), Target(backend="b")], balance="least-loaded")
     router.loads = {"a": Load(running=4, waiting=6), "b": Load(running=2, waiting=0)}
     assert set(picks(router, 20)) == {"b"}
-    router.pending = lambda name: 50 if name == "b" else 0  # this replica's own queue counts too
+    router.admission = {"b": Admission(max_in_flight=1, max_queued=100, timeout_s=1)}
+    router.admission["b"].queued = 50  # this replica's own queue counts too
     assert set(picks(router, 20)) == {"a"}
-    router.pending = lambda name: 0
+    router.admission = {}
     router.loads = {"a": Load(running=1, kv_usage=0.9), "b": Load(running=1, kv_usage=0.2)}
     assert set(picks(router, 20)) == {"b"}  # equal queues: the emptier KV cache
 

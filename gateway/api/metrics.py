@@ -1,15 +1,21 @@
 """Prometheus `/metrics`: the gateway's own figures, and every backend's live load (KV cache and
-scheduling figures included)."""
+scheduling figures included). They name tenants, so they are not public: loopback clients
+(a sidecar, a node agent) read them freely unless a scrape token is set; everyone else sends
+`SERVEGATE_METRICS_TOKEN` as a bearer token."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+import hmac
+import ipaddress
+
+from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from backends.base import Load
 
-from ..deps import GatewayDep
+from ..deps import GatewayDep, credential
+from ..errors import GatewayError
 
 router = APIRouter(tags=["probes"])
 PREFIX = "servegate_backend_"
@@ -41,9 +47,22 @@ class LoadCollector:
         yield from families.values()
 
 
+def _may_scrape(request: Request, token: str | None) -> bool:
+    if token is not None:
+        return hmac.compare_digest((credential(request) or "").encode(), token.encode())
+    try:
+        return request.client is not None and ipaddress.ip_address(request.client.host).is_loopback
+    except ValueError:  # not an IP address (a Unix socket's peer)
+        return False
+
+
 @router.get("/metrics")
-async def metrics(gateway: GatewayDep) -> Response:
-    for model, admission in gateway.admission.items():
+async def metrics(request: Request, gateway: GatewayDep) -> Response:
+    if not _may_scrape(request, gateway.settings.metrics_token):
+        raise GatewayError(401, "Metrics need the scrape token (SERVEGATE_METRICS_TOKEN) as a bearer token, or a "
+                           "loopback client when none is set.", "invalid_request_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+    for model, admission in gateway.router.admission.items():
         gateway.metrics.queued.labels(model).set(admission.queued)
     loads = {model: await backend.load() for model, backend in gateway.router.backends.items()}
     backends = CollectorRegistry()

@@ -14,11 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from backends.base import BackendError, Delta, Finish, GenerateRequest, InvalidRequest, Usage
 
+from .. import generation
 from ..auth import Principal
-from ..calls import Call
 from ..deps import GatewayDep, InferencePrincipal
 from ..errors import GatewayError
-from ..generation import ClientDisconnected, Collected, collect, resume
+from ..generation import Collected
 from ..service import Gateway
 from . import MAX_TOKENS, ClientBody, TokenCount
 
@@ -187,18 +187,14 @@ async def _respond(request: Request, gateway: Gateway, principal: Principal, bod
     decision = gateway.resolve(principal, body.model, prompt_text(prompt), body.max_tokens, body.stream)
     model = decision.model
     greq = body.generate_request(model, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", **prompt)
-    call = Call(gateway, principal, decision, greq, api="openai", stream=body.stream)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     responder = Responder(chat, model, include_usage, greq.request_id)
-    try:
-        first, events = await call.open(request)
-        if body.stream:
-            return StreamingResponse(responder.stream(resume(first, events), body.n), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        result = await collect(first, events, request)
-    except ClientDisconnected:
-        return JSONResponse({}, status_code=499)  # nobody is listening
-    return JSONResponse(responder.full(result, body.n))
+    started = await generation.start(gateway, request, principal, decision, greq, "openai", body.stream)
+    if body.stream:
+        return StreamingResponse(responder.stream(started.events, body.n), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **started.headers})
+    result = await generation.collect(started, request)
+    return JSONResponse(responder.full(result, body.n), headers=started.headers)
 
 
 @router.post("/chat/completions")

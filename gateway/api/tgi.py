@@ -19,11 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from backends.base import BackendError, Delta, Finish, GenerateRequest, servegate_version
 
+from .. import generation
 from ..auth import Principal
-from ..calls import Call
 from ..deps import GatewayDep, InferencePrincipal
 from ..errors import GatewayError
-from ..generation import ClientDisconnected, collect, resume
 from ..service import Gateway
 from . import MAX_TOKENS, ClientBody, TokenCount
 
@@ -93,21 +92,17 @@ def _tokens(delta: Delta) -> list[Token]:
 
 
 async def _start(request: Request, gateway: Gateway, principal: Principal, body: TGIRequest, model: str | None,
-                 stream: bool):
+                 stream: bool) -> tuple[GenerateRequest, generation.Started]:
     decision = gateway.resolve(principal, model, body.inputs, body.parameters.max_new_tokens, stream)
     greq = _request(body, decision.model)
-    call = Call(gateway, principal, decision, greq, api="tgi", stream=stream)
-    first, events = await call.open(request)
-    return greq, first, events
+    return greq, await generation.start(gateway, request, principal, decision, greq, "tgi", stream)
 
 
-async def _generate(request: Request, gateway: Gateway, principal: Principal, body: TGIRequest, model: str | None):
-    greq, first, events = await _start(request, gateway, principal, body, model, stream=False)
-    tokens: list[Token] = _tokens(first) if isinstance(first, Delta) else []
-    try:
-        result = await collect(first, _recording(events, tokens), request)
-    except ClientDisconnected:
-        return JSONResponse({}, status_code=499)
+async def _generate(request: Request, gateway: Gateway, principal: Principal, body: TGIRequest,
+                    model: str | None) -> tuple[dict, dict[str, str]]:
+    """TGI's answer, and the response headers."""
+    greq, started = await _start(request, gateway, principal, body, model, stream=False)
+    result = await generation.collect(started, request)
     text = result.text(0)
     if body.parameters.return_full_text:
         text = body.inputs + text
@@ -116,16 +111,9 @@ async def _generate(request: Request, gateway: Gateway, principal: Principal, bo
         answer["details"] = {
             "finish_reason": _finish_reason(result.finish.finish_reasons[0], greq),
             "generated_tokens": result.finish.usage.completion_tokens, "seed": greq.seed,
-            "prefill": [], "tokens": [t.model_dump() for t in tokens],
+            "prefill": [], "tokens": [t.model_dump() for delta in result.deltas for t in _tokens(delta)],
         }
-    return answer
-
-
-async def _recording(events: AsyncIterator, tokens: list[Token]) -> AsyncIterator:
-    async for event in events:
-        if isinstance(event, Delta):
-            tokens.extend(_tokens(event))
-        yield event
+    return answer, started.headers
 
 
 def _event(data: dict) -> bytes:
@@ -162,11 +150,11 @@ async def _stream_events(greq: GenerateRequest, events: AsyncIterator, prefix: s
 
 async def _generate_stream(request: Request, gateway: Gateway, principal: Principal, body: TGIRequest,
                            model: str | None):
-    greq, first, events = await _start(request, gateway, principal, body, model, stream=True)
+    greq, started = await _start(request, gateway, principal, body, model, stream=True)
     prefix = body.inputs if body.parameters.return_full_text else ""
-    stream = _stream_events(greq, resume(first, events), prefix, body.parameters.details)
+    stream = _stream_events(greq, started.events, prefix, body.parameters.details)
     return StreamingResponse(stream, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **started.headers})
 
 
 @router.post("/", summary="Generate tokens, streamed when `stream` is true (TGI's compat route)")
@@ -174,13 +162,15 @@ async def compat_generate(request: Request, body: TGIRequest, principal: Inferen
                           model: str | None = None):
     if body.stream:
         return await _generate_stream(request, gateway, principal, body, model)
-    return [await _generate(request, gateway, principal, body, model)]
+    answer, headers = await _generate(request, gateway, principal, body, model)
+    return JSONResponse([answer], headers=headers)
 
 
 @router.post("/generate", summary="Generate tokens")
 async def generate(request: Request, body: TGIRequest, principal: InferencePrincipal, gateway: GatewayDep,
                    model: str | None = None):
-    return await _generate(request, gateway, principal, body, model)
+    answer, headers = await _generate(request, gateway, principal, body, model)
+    return JSONResponse(answer, headers=headers)
 
 
 @router.post("/generate_stream", summary="Generate a stream of token events (server-sent events)")
