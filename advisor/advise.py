@@ -12,6 +12,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import asdict, dataclass, field
 
+from backends.runtimes import serving
 from policies import rules
 from policies.matrix import Cell, Matrix, matrices
 from policies.rules import RuleSet
@@ -337,9 +338,10 @@ def _launch(m: Matrix, model: ModelSpec, gpus: int, workload: Workload, kv_cell:
         out["runtime_command"] = " ".join(text.split())
     if m.runtime in ("llama-cpp", "ollama") and not model.id.endswith(".gguf"):
         out["note"] = "llama.cpp serves GGUF files: convert the checkpoint (convert_hf_to_gguf.py) or pass a .gguf"
-    kind = {"llama-cpp": "llama-server", "tensorrt-llm": "trtllm"}.get(m.runtime, m.runtime)
-    out["gateway_backend"] = ({"name": "local", "kind": "builtin"} if m.runtime == "builtin" else
-                              {"name": m.runtime, "kind": kind, "url": "http://127.0.0.1:8001", "model": model.id})
+    kind = serving(m.runtime)
+    out["gateway_backend"] = ({"name": "local", "kind": kind.id} if kind is not None and not kind.remote else
+                              {"name": m.runtime, "kind": kind.id if kind else "openai", "url": "http://127.0.0.1:8001",
+                               "model": model.id})
     return out
 
 

@@ -11,6 +11,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from backends.runtimes import RUNTIMES
+
 from .advise import ImpossibleRequest, Report, Workload, advise, default_derates
 from .capacity import Derates, MissingArchitectureField
 from .hardware import UnknownHardware, catalogue
@@ -129,9 +131,8 @@ def _trace_sizes(path: Path) -> tuple[int, int]:
     return round(sum(prompts) / len(prompts)), round(sum(outputs) / len(outputs))
 
 
-# servegate.yaml backend kinds -> the runtime (support matrix) they run.
-KIND_RUNTIME = {"vllm": "vllm", "sglang": "sglang", "tgi": "tgi", "llama-server": "llama-cpp",
-                "llama-cpp-server": "llama-cpp", "trtllm": "tensorrt-llm", "lmdeploy": "lmdeploy", "ollama": "ollama"}
+# servegate.yaml backend kinds -> the runtime (support matrix) they run, for the remote ones.
+KIND_RUNTIME = {r.id: r.matrix for r in RUNTIMES.values() if r.remote and r.matrix}
 
 
 def _config_entries(path: Path) -> list[str]:

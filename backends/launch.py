@@ -22,9 +22,10 @@ from typing import Literal
 import httpx
 
 from .cpu import for_this_cpu
+from .runtimes import RUNTIMES as REGISTRY
 
-Runtime = Literal["vllm", "sglang", "llama-server", "tgi", "llama-cpp-python"]
-RUNTIMES: tuple[str, ...] = ("vllm", "sglang", "llama-server", "tgi", "llama-cpp-python")
+Runtime = Literal["vllm", "sglang", "llama-server", "tgi", "llama-cpp-python"]  # `servegate launch` names
+RUNTIMES: tuple[str, ...] = tuple(r.launch for r in REGISTRY.values() if r.launch)
 READY_PATH = {"vllm": "/health", "sglang": "/health", "llama-server": "/health", "tgi": "/health",
               "llama-cpp-python": "/v1/models"}  # llama-cpp-python's server has no /health
 # ggml type ids, as llama-cpp-python's `type_k` / `type_v` take them (ggml.h `enum ggml_type`).

@@ -49,7 +49,7 @@ from .tokenization import spans
 
 def llama_server_config(base_url: str, model: str, python_server: bool = False, **options) -> OpenAICompatConfig:
     """`python_server`: llama-cpp-python's server rather than llama.cpp's `llama-server`."""
-    runtime = "llama-cpp-python" if python_server else "llama.cpp"
+    runtime = "llama-cpp-server" if python_server else "llama-server"
     return OpenAICompatConfig(base_url=base_url, model=model, runtime=runtime,
                               health_path="/v1/models" if python_server else "/health", **options)
 
@@ -57,7 +57,7 @@ def llama_server_config(base_url: str, model: str, python_server: bool = False, 
 class LlamaCppServerBackend(OpenAICompatBackend):
     def __init__(self, config: OpenAICompatConfig, name: str = "llama-server") -> None:
         super().__init__(config, name)
-        self.python_server = config.runtime == "llama-cpp-python"
+        self.python_server = config.runtime == "llama-cpp-server"
         self.props: dict = {}
 
     async def start(self) -> None:
@@ -317,7 +317,7 @@ class LlamaCppBackend(Backend):
     async def capabilities(self) -> Capabilities:
         from llama_cpp import __version__
 
-        return Capabilities(runtime="llama-cpp-python", version=__version__, model=self.model_id,
+        return Capabilities(runtime="llama-cpp", version=__version__, model=self.model_id,
                             max_context=self.config.n_ctx, prefix_caching=True, tokenize=True)
 
     async def health(self) -> Health:

@@ -50,7 +50,7 @@ class OpenAICompatConfig:
     base_url: str  # without /v1
     model: str  # the model name the upstream serves
     api_key: str | None = None
-    runtime: str = "openai-compatible"
+    runtime: str = "openai"  # a runtime id (backends/runtimes.py)
     health_path: str = "/health"
     max_context: int = 0  # 0: ask /v1/models (vLLM's `max_model_len`)
     max_connections: int = 256

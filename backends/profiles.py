@@ -11,23 +11,22 @@ from .openai_compat import OpenAICompatBackend, OpenAICompatConfig
 
 @dataclass(frozen=True)
 class Profile:
-    runtime: str
     health_path: str
     version_path: str | None
     source: str
 
 
 PROFILES = {
-    "trtllm": Profile("tensorrt-llm", "/health", "/version",
+    "trtllm": Profile("/health", "/version",
                       "NVIDIA/TensorRT-LLM docs/source/commands/trtllm-serve.rst: /v1/models, /v1/completions, "
                       "/v1/chat/completions, /health, /version; /metrics holds JSON iteration statistics (beta), "
                       "not Prometheus text"),
-    "lmdeploy": Profile("lmdeploy", "/health", None,
+    "lmdeploy": Profile("/health", None,
                         "InternLM/lmdeploy lmdeploy/serve/openai/api_server.py (commit 002e7cf): GET /health answers "
                         "200; Prometheus /metrics only with --enable-metrics (docs: production metrics)"),
-    "ollama": Profile("ollama", "/api/version", "/api/version",
+    "ollama": Profile("/api/version", "/api/version",
                       "ollama docs/api.md: GET /api/version -> {\"version\"}; OpenAI routes under /v1"),
-    "xinference": Profile("xinference", "/status", "/v1/cluster/version",
+    "xinference": Profile("/status", "/v1/cluster/version",
                           "xorbitsai/inference xinference/api/restful_api.py: GET /status (internal, no auth), "
                           "GET /v1/cluster/version (admin scope when auth is on), OpenAI routes under /v1"),
 }
@@ -36,7 +35,7 @@ PROFILES = {
 class ProfileBackend(OpenAICompatBackend):
     def __init__(self, config: OpenAICompatConfig, profile: str, name: str | None = None) -> None:
         self.profile = PROFILES[profile]
-        config.runtime, config.health_path = self.profile.runtime, self.profile.health_path
+        config.runtime, config.health_path = profile, self.profile.health_path
         super().__init__(config, name or profile)
         self.version = ""
 

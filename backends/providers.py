@@ -136,7 +136,7 @@ class ProviderBackend(Backend):
 
     async def capabilities(self) -> Capabilities:
         provider = self.config.model.split("/", 1)[0] if "/" in self.config.model else "litellm"
-        return Capabilities(runtime=f"litellm:{provider}", version="", model=self.config.model,
+        return Capabilities(runtime="litellm", version=provider, model=self.config.model,
                             max_context=self.config.max_context, prefix_caching=False)
 
     async def health(self) -> Health:

@@ -2,8 +2,15 @@
 
 The directory (tenants and keys) is re-read from the database every `refresh_s` in the
 background; the request path only reads memory. If the database is down the last good copy
-keeps serving, so a database outage is not an auth outage. A revoked or expired key stops
-working within one refresh interval (expiry at once: it is checked on every request).
+keeps serving, so a database outage is not an auth outage. A key made since the last refresh
+(`servegate keys create`, another replica's admin API) works at its first request: a well-formed
+key missing from memory is looked up in the database, one lookup at a time, and a prefix found
+missing is not asked again for a refresh interval, so garbage keys cannot hammer the database.
+A revoked or expired key stops working within one refresh interval (expiry at once: it is
+checked on every request).
+
+Scopes: `inference` calls models; `admin` administers its own tenant (its keys, usage); `operator`
+administers everything (tenants, their limits, routes, the audit log).
 """
 
 from __future__ import annotations
@@ -19,13 +26,15 @@ from sqlalchemy import Engine
 from sqlmodel import Session, select
 
 from .errors import GatewayError
-from .keys import key_prefix, verify
+from .keys import is_servegate_key, key_prefix, verify
 from .models import ApiKey, Limits, Tenant
 from .quotas import QuotaLimits, Scope
 from .settings import Settings
 
 log = logging.getLogger("servegate.auth")
 JWKS_TTL_S = 300.0  # identity providers rotate keys with overlap; five minutes is their usual cache
+MISSING_PREFIXES = 10_000  # the negative cache's bound: beyond it, it starts over
+TOKEN_SCOPES = frozenset({"inference", "admin"})  # what a token's scope claim may grant by name
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,9 @@ class Principal:
     def key_prefix(self) -> str | None:
         return self.key.prefix if self.key else None
 
+    def administers(self, tenant: str) -> bool:
+        return "operator" in self.scopes or ("admin" in self.scopes and tenant == self.tenant.name)
+
     def may_use(self, model: str) -> bool:
         return not self.tenant.models or model in self.tenant.models
 
@@ -81,6 +93,15 @@ def _limits(row: Limits) -> QuotaLimits:
                        max_concurrency=row.max_concurrency)
 
 
+def _tenant_view(t: Tenant) -> TenantView:
+    return TenantView(t.name, t.tier, frozenset(t.models), t.disabled, _limits(t), t.max_tokens_per_request)
+
+
+def _key_view(k: ApiKey, tenant: Tenant) -> KeyView:
+    return KeyView(k.prefix, k.key_hash, tenant.name, frozenset(k.scopes.split(",")), k.expires_at, _limits(k),
+                   k.max_tokens_per_request)
+
+
 def unauthorized(message: str) -> GatewayError:
     return GatewayError(401, message, "invalid_request_error", code="invalid_api_key",
                         headers={"WWW-Authenticate": "Bearer"})
@@ -94,6 +115,8 @@ class Directory:
         self.tenants: dict[str, TenantView] = {}
         self.keys: dict[str, KeyView] = {}
         self.loaded_at: datetime | None = None
+        self._missing: dict[str, float] = {}  # key prefixes the database did not have, until when
+        self._lookup = asyncio.Lock()
         # JWKS signing keys by key id, fetched with the directory (never on the request path).
         self._jwks = jwt.PyJWKClient(settings.jwt_jwks_url, cache_jwk_set=False) if settings.jwt_jwks_url else None
         self.signing_keys: dict[str, object] = {}
@@ -106,16 +129,10 @@ class Directory:
             tenants = session.exec(select(Tenant)).all()
             keys = session.exec(select(ApiKey).where(ApiKey.revoked_at.is_(None))).all()
         by_id = {t.id: t for t in tenants}
-        self.tenants = {
-            t.name: TenantView(t.name, t.tier, frozenset(t.models), t.disabled, _limits(t), t.max_tokens_per_request)
-            for t in tenants
-        }
-        self.keys = {
-            k.prefix: KeyView(k.prefix, k.key_hash, by_id[k.tenant_id].name, frozenset(k.scopes.split(",")),
-                              k.expires_at, _limits(k), k.max_tokens_per_request)
-            for k in keys if k.tenant_id in by_id
-        }
+        self.tenants = {t.name: _tenant_view(t) for t in tenants}
+        self.keys = {k.prefix: _key_view(k, by_id[k.tenant_id]) for k in keys if k.tenant_id in by_id}
         self.loaded_at = datetime.now(UTC)
+        self._missing.clear()
         if self._jwks is not None and time.monotonic() - self._jwks_fetched > JWKS_TTL_S:
             try:
                 self.signing_keys = {k.key_id: k.key for k in self._jwks.get_signing_keys()}
@@ -134,13 +151,42 @@ class Directory:
             await asyncio.sleep(self.settings.refresh_s)
             await self.refresh()
 
+    def _read_key(self, prefix: str) -> tuple[KeyView, TenantView] | None:
+        with Session(self.engine) as session:
+            found = session.exec(select(ApiKey, Tenant).join(Tenant)
+                                 .where(ApiKey.prefix == prefix, ApiKey.revoked_at.is_(None))).first()
+        return None if found is None else (_key_view(*found), _tenant_view(found[1]))
+
+    async def _look_up(self, prefix: str) -> KeyView | None:
+        """A key made since the last refresh, from the database (None if it has no such key)."""
+        async with self._lookup:
+            if prefix in self.keys or self._missing.get(prefix, 0.0) > time.monotonic():
+                return self.keys.get(prefix)
+            try:
+                found = await asyncio.to_thread(self._read_key, prefix)
+            except Exception as exc:  # the database is down: what memory holds is all there is
+                log.warning("key lookup failed: %s", exc)
+                return None
+            if found is None:
+                if len(self._missing) >= MISSING_PREFIXES:
+                    self._missing.clear()
+                self._missing[prefix] = time.monotonic() + self.settings.refresh_s
+                return None
+            key, tenant = found
+            self.tenants[tenant.name] = tenant
+            self.keys[prefix] = key
+            return key
+
     # -- authentication -----------------------------------------------------------------
-    def authenticate(self, credential: str | None) -> Principal:
+    async def authenticate(self, credential: str | None) -> Principal:
         if not credential:
             raise unauthorized("Missing API key: send `Authorization: Bearer <key>`.")
         if self.settings.jwt_enabled and credential.count(".") == 2 and not credential.startswith("sg_"):
             return self._from_jwt(credential)
-        key = self.keys.get(key_prefix(credential))
+        prefix = key_prefix(credential)
+        key = self.keys.get(prefix)
+        if key is None and is_servegate_key(credential):
+            key = await self._look_up(prefix)
         if key is None or not verify(credential, key.key_hash):
             raise unauthorized("Incorrect API key provided.")
         if key.expires_at is not None and key.expires_at <= datetime.now(UTC):
@@ -172,7 +218,9 @@ class Directory:
         if not isinstance(scope, list) or not all(isinstance(item, str) for item in scope):
             raise unauthorized(f"The token's {s.jwt_scope_claim!r} claim is neither a string of scopes nor a "
                                "list of strings.")
-        scopes = frozenset(scope)
+        scopes = frozenset(scope) & TOKEN_SCOPES  # `operator` only by the name the operator configured
+        if s.jwt_operator_scope is not None and s.jwt_operator_scope in scope:
+            scopes |= {"operator"}
         return Principal(self._tenant(tenant), str(claims.get("sub", "jwt")), scopes)
 
     def _signing_key(self, token: str):

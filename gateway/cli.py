@@ -14,6 +14,7 @@ import yaml
 
 from advisor.bench.cli import BenchCommand, bench
 from advisor.cli import advise_command
+from backends.launch import RUNTIMES as LAUNCHABLE
 
 app = typer.Typer(help="servegate: LLM gateway, runtime advisor and TGI migration.", no_args_is_help=True)
 db_app = typer.Typer(help="The gateway's database.", no_args_is_help=True)
@@ -79,22 +80,41 @@ def _print(rows: list, as_json: bool, columns: list[str]) -> None:
     Console().print(table)
 
 
+def engine_options(command):
+    """`command` with one option per `EngineConfig` field (its type, default and help), which it
+    receives gathered and checked as `engine: EngineConfig | ValueError`."""
+    import dataclasses
+    import functools
+    import inspect
+    import typing
+
+    from backends.builtin.config import EngineConfig
+
+    hints = typing.get_type_hints(EngineConfig)
+    fields = dataclasses.fields(EngineConfig)
+    options = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=Annotated[
+        hints[f.name], typer.Option(*filter(None, [f.metadata["flags"]]), help=f.metadata["help"],
+                                    rich_help_panel="Built-in engine")]) for f in fields]
+    own = [p for name, p in inspect.signature(command).parameters.items() if name != "engine"]
+
+    @functools.wraps(command)
+    def with_engine(**given):
+        try:
+            engine = EngineConfig(**{f.name: given.pop(f.name) for f in fields})
+        except ValueError as exc:
+            engine = exc
+        return command(engine=engine, **given)
+
+    with_engine.__signature__ = inspect.Signature(own + options)
+    return with_engine
+
+
 @app.command()
+@engine_options
 def serve(
+    engine,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
-    model: Annotated[str, typer.Option(
-        help="GGUF file or Hugging Face directory for the built-in engine (default: SmolLM2-135M-Instruct).")] = "",
-    served_name: Annotated[str, typer.Option(help="Model id clients use (default: from the file name).")] = "",
-    device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
-    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32",
-    kv_cache_tokens: Annotated[int, typer.Option(help="KV cache capacity in tokens.")] = 16384,
-    kv_cache_dtype: Annotated[str, typer.Option(help="auto (the model's dtype) | int8")] = "auto",
-    weight_quant: Annotated[str, typer.Option(help="none | int8 (CPU: int8 GEMMs, faster, not exact)")] = "none",
-    max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of one engine step.")] = 2048,
-    max_model_len: Annotated[int, typer.Option(help="Context length cap (0: the model's own).")] = 0,
-    no_prefix_caching: Annotated[bool, typer.Option(
-        "--no-prefix-caching", help="Disable automatic prefix caching.")] = False,
     log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
     config: Annotated[Path | None, typer.Option(
         help="servegate.yaml declaring the backends (replaces the built-in engine options).")] = None,
@@ -116,6 +136,8 @@ def serve(
     from .telemetry import configure_logging
     from .tenancy import bootstrap
 
+    if isinstance(engine, ValueError):  # before anything loads
+        _fail(str(engine))
     settings = Settings()
     new = is_new_sqlite(settings.database_url)
     db = make_engine(settings.database_url)
@@ -131,14 +153,9 @@ def serve(
         except (OSError, ValueError) as exc:
             _fail(str(exc))
     else:
-        from backends.builtin import BuiltinBackend, EngineConfig
+        from backends.builtin import BuiltinBackend
 
-        backend = BuiltinBackend(EngineConfig(
-            model=model, served_name=served_name, device=device, dtype=dtype, kv_cache_tokens=kv_cache_tokens,
-            kv_cache_dtype=kv_cache_dtype, weight_quant=weight_quant,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len or None,
-            enable_prefix_caching=not no_prefix_caching,
-        ))
+        backend = BuiltinBackend(engine)
         backends = {backend.model_id: backend}
     configure_logging(log_level)
     with Session(db) as session:
@@ -242,7 +259,8 @@ def tenants_update(
 @keys_app.command("create")
 def keys_create(
     tenant: Annotated[str, typer.Option(help="The tenant the key acts for.")],
-    scope: Annotated[list[str], typer.Option(help="inference | admin (repeat for both).")] = ["inference"],  # noqa: B006
+    scope: Annotated[list[str], typer.Option(
+        help="inference | admin (its own tenant) | operator (every tenant); repeatable.")] = ["inference"],  # noqa: B006
     name: Annotated[str, typer.Option(help="A label for the key.")] = "",
     expires_in_days: Annotated[float | None, typer.Option(help="Expiry.")] = None,
     rpm: Annotated[int | None, typer.Option(help="This key's own requests per minute.")] = None,
@@ -302,7 +320,7 @@ def keys_rotate(prefix: str) -> None:
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def launch(
     ctx: typer.Context,
-    runtime: Annotated[str, typer.Argument(help="vllm | sglang | llama-server | tgi | llama-cpp-python")],
+    runtime: Annotated[str, typer.Argument(help=" | ".join(LAUNCHABLE))],
     model: Annotated[str, typer.Option(help="Model id or path, as the runtime takes it.")],
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8001,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",

@@ -20,52 +20,38 @@ backends:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from backends import runtimes
 from backends.base import Backend
+from backends.runtimes import RUNTIMES
 
 
 class BackendSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str
-    kind: Literal["builtin", "llama-cpp", "openai", "vllm", "sglang", "tgi", "llama-server", "llama-cpp-server",
-                  "trtllm", "lmdeploy", "ollama", "xinference"]
+    kind: str  # a runtime id (backends/runtimes.py)
     url: str | None = None
     model: str = ""
     served_name: str | None = None
     api_key: str | None = None
     options: dict[str, Any] = {}
 
+    @field_validator("kind")
+    @classmethod
+    def _known(cls, kind: str) -> str:
+        kinds = [k for k in RUNTIMES if k != "litellm"]  # cloud providers are configured with --litellm
+        if kind not in kinds:
+            raise ValueError(f"unknown kind {kind!r}: one of {', '.join(kinds)}")
+        return kind
+
     def build(self) -> Backend:
-        if self.kind == "builtin":
-            from backends.builtin import BuiltinBackend, EngineConfig
-
-            return BuiltinBackend(EngineConfig(model=self.model, served_name=self.served_name or "", **self.options),
-                                  name=self.name)
-        if self.kind == "llama-cpp":
-            from backends.llamacpp import LlamaCppBackend, LlamaCppConfig
-
-            return LlamaCppBackend(LlamaCppConfig(model=self.model, served_name=self.served_name or "",
-                                                  **self.options), name=self.name)
-        if not self.url or not self.model:
-            raise ValueError(f"backend {self.name!r}: kind {self.kind} needs `url` and `model`")
-        from backends import llamacpp, openai_compat, profiles, sglang, tgi, vllm
-
-        if self.kind in ("llama-server", "llama-cpp-server"):
-            config = llamacpp.llama_server_config(self.url, self.model, python_server=self.kind == "llama-cpp-server",
-                                                  api_key=self.api_key, **self.options)
-            return llamacpp.LlamaCppServerBackend(config, name=self.name)
-        config = openai_compat.OpenAICompatConfig(base_url=self.url, model=self.model, api_key=self.api_key,
-                                                  **self.options)
-        if self.kind in profiles.PROFILES:
-            return profiles.ProfileBackend(config, self.kind, name=self.name)
-        adapter = {"openai": openai_compat.OpenAICompatBackend, "vllm": vllm.VLLMBackend,
-                   "sglang": sglang.SGLangBackend, "tgi": tgi.TGIBackend}[self.kind]
-        return adapter(config, name=self.name)
+        return runtimes.build(self.kind, self.name, url=self.url, model=self.model, served_name=self.served_name,
+                              api_key=self.api_key, options=self.options)
 
 
 class GatewayConfig(BaseModel):

@@ -25,11 +25,12 @@ def credential(request: Request) -> str | None:
     return headers.get("x-api-key") or headers.get("api-key")
 
 
-def _require(scope: str):
+def _require(*scopes: str):
+    """A caller holding one of `scopes`."""
     async def principal(request: Request, gateway: Annotated[Gateway, Depends(get_gateway)]) -> Principal:
-        who = gateway.directory.authenticate(credential(request))
-        if scope not in who.scopes:
-            raise GatewayError(403, f"This key lacks the `{scope}` scope.", "permission_error",
+        who = await gateway.directory.authenticate(credential(request))
+        if not who.scopes & set(scopes):
+            raise GatewayError(403, f"This key lacks the `{scopes[0]}` scope.", "permission_error",
                                code="insufficient_scope")
         return who
 
@@ -37,5 +38,6 @@ def _require(scope: str):
 
 
 InferencePrincipal = Annotated[Principal, Depends(_require("inference"))]
-AdminPrincipal = Annotated[Principal, Depends(_require("admin"))]
+AdminPrincipal = Annotated[Principal, Depends(_require("admin", "operator"))]  # a tenant's, or the operator
+OperatorPrincipal = Annotated[Principal, Depends(_require("operator"))]
 GatewayDep = Annotated[Gateway, Depends(get_gateway)]

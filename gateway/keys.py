@@ -9,6 +9,8 @@ import hmac
 import secrets
 
 PREFIX_CHARS = 8
+SECRET_BYTES = 32
+SECRET_CHARS = 43  # token_urlsafe(32): 32 bytes in unpadded base64
 
 
 def hash_key(key: str) -> str:
@@ -18,7 +20,14 @@ def hash_key(key: str) -> str:
 def new_key() -> tuple[str, str]:
     """(the key, its public prefix)."""
     prefix = secrets.token_hex(PREFIX_CHARS // 2)
-    return f"sg_{prefix}_{secrets.token_urlsafe(32)}", prefix
+    return f"sg_{prefix}_{secrets.token_urlsafe(SECRET_BYTES)}", prefix
+
+
+def is_servegate_key(key: str) -> bool:
+    """Shaped like a key `new_key` makes (worth a database lookup when it is not in memory)."""
+    parts = key.split("_", 2)
+    return (len(parts) == 3 and parts[0] == "sg" and len(parts[1]) == PREFIX_CHARS
+            and all(c in "0123456789abcdef" for c in parts[1]) and len(parts[2]) == SECRET_CHARS)
 
 
 def key_prefix(key: str) -> str:

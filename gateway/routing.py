@@ -15,14 +15,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from backends.base import Backend, Capabilities, InvalidRequest, Load, ModelNotFound
+from backends.runtimes import matrix_of
 from policies import rules
 from policies.matrix import matrices
 
 from .admission import Admission
 from .routes import PrefixAware, RouteOut, RouteState, Target
-
-# Capabilities.runtime -> the support matrix that describes it.
-MATRIX_OF = {"llama.cpp": "llama-cpp", "llama-cpp-python": "llama-cpp", "servegate": "builtin"}
 
 
 @dataclass(frozen=True)
@@ -242,7 +240,7 @@ class ModelRouter:
     def _target_facts(self, name: str, spec) -> dict:
         caps, load = self.capabilities.get(name), self.loads.get(name)
         target = next((t for t in spec.targets if t.backend == name), None)
-        matrix = matrices().get(MATRIX_OF.get(caps.runtime, caps.runtime)) if caps else None
+        matrix = matrices().get(matrix_of(caps.runtime) or "") if caps else None
         return {"backend": name, "runtime": caps.runtime if caps else "", "pool": target.pool if target else "",
                 "max_context": caps.max_context if caps else 0, "prefix_caching": bool(caps and caps.prefix_caching),
                 "maintained": matrix is None or matrix.maintained.status == "yes",

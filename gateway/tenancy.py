@@ -15,7 +15,7 @@ from .errors import GatewayError
 from .keys import hash_key, key_prefix, new_key
 from .models import ApiKey, AuditLog, Limits, Tenant, UsageRecord, as_utc, utcnow
 
-Scope = Literal["inference", "admin"]
+Scope = Literal["inference", "admin", "operator"]  # admin: its own tenant; operator: every tenant
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
 
@@ -160,8 +160,19 @@ def _add_key(session: Session, tenant: Tenant, name: str, scopes: list[str], exp
     return row, key
 
 
-def create_key(session: Session, actor: str, data: KeyIn) -> KeyCreated:
+def create_key(session: Session, actor: str, data: KeyIn, operator: bool = True) -> KeyCreated:
+    """`operator` False: a tenant administrator's key, which may not grant `operator` nor set a
+    limit above the tenant's own."""
     tenant = get_tenant(session, data.tenant)
+    if not operator:
+        if "operator" in data.scopes:
+            raise GatewayError(403, "Only an operator may grant the `operator` scope.", "permission_error",
+                               code="insufficient_scope")
+        for name, value in _limits(data).items():
+            cap = getattr(tenant, name)
+            if cap is not None and value is not None and value > cap:
+                raise GatewayError(400, f"{name} {value} exceeds the tenant's limit of {cap}",
+                                   "invalid_request_error", param=name)
     expires = utcnow() + timedelta(days=data.expires_in_days) if data.expires_in_days else None
     row, key = _add_key(session, tenant, data.name, sorted(set(data.scopes)), expires, _limits(data))
     out = _key_out(row, tenant.name)
@@ -170,17 +181,19 @@ def create_key(session: Session, actor: str, data: KeyIn) -> KeyCreated:
     return KeyCreated(key=key, **out.model_dump())
 
 
-def _live_key(session: Session, prefix: str) -> tuple[ApiKey, Tenant]:
+def _live_key(session: Session, prefix: str, within: str | None) -> tuple[ApiKey, Tenant]:
+    """The key, if it is live and (`within` given) that tenant's and no operator's."""
     row = session.exec(select(ApiKey).where(ApiKey.prefix == prefix)).first()
-    if row is None:
+    tenant = session.get(Tenant, row.tenant_id) if row is not None else None
+    if row is None or within is not None and (tenant.name != within or "operator" in row.scopes.split(",")):
         raise NotFound(f"no key with prefix {prefix!r}")
     if row.revoked_at is not None:
         raise Conflict(f"the key {prefix} is already revoked")
-    return row, session.get(Tenant, row.tenant_id)
+    return row, tenant
 
 
-def revoke_key(session: Session, actor: str, prefix: str) -> KeyOut:
-    row, tenant = _live_key(session, prefix)
+def revoke_key(session: Session, actor: str, prefix: str, within: str | None = None) -> KeyOut:
+    row, tenant = _live_key(session, prefix, within)
     before = _key_out(row, tenant.name).model_dump(mode="json")
     row.revoked_at = utcnow()
     session.add(row)
@@ -190,9 +203,10 @@ def revoke_key(session: Session, actor: str, prefix: str) -> KeyOut:
     return out
 
 
-def rotate_key(session: Session, actor: str, prefix: str) -> KeyCreated:
-    """A new key with the old one's tenant, scopes, expiry and limits; the old one is revoked."""
-    old, tenant = _live_key(session, prefix)
+def rotate_key(session: Session, actor: str, prefix: str, within: str | None = None) -> KeyCreated:
+    """A new key with the old one's tenant, scopes, expiry and limits; the old one is revoked.
+    `within`: only a key of that tenant (a tenant administrator's reach)."""
+    old, tenant = _live_key(session, prefix, within)
     before = _key_out(old, tenant.name).model_dump(mode="json")
     old.revoked_at = utcnow()
     session.add(old)
@@ -242,7 +256,7 @@ def bootstrap(session: Session, admin_key: str | None) -> str | None:
         tenant = Tenant(name="default")
         session.add(tenant)
         session.flush()
-    row, key = _add_key(session, tenant, "bootstrap admin", ["admin", "inference"], None, {}, key=admin_key)
+    row, key = _add_key(session, tenant, "bootstrap admin", ["inference", "operator"], None, {}, key=admin_key)
     audit(session, "bootstrap", "key.create", row.prefix, None, _key_out(row, tenant.name).model_dump(mode="json"))
     session.commit()
     return key

@@ -23,7 +23,7 @@ def test_cli_contract(tmp_path, monkeypatch):
     refused = run(app, ["serve"])  # an existing database without the schema: serve refuses, loads nothing
     assert refused.exit_code == 2 and "has no servegate schema" in refused.output
 
-    assert "database at revision 0002" in run(app, ["db", "upgrade"]).output
+    assert "database at revision 0003" in run(app, ["db", "upgrade"]).output
     created = run(app, ["tenants", "create", "acme", "--rpm", "5", "--tpm", "1000", "--tokens-per-day", "9000",
                         "--max-concurrency", "2", "--models", "a,b"])
     assert created.exit_code == 0, created.output
@@ -62,3 +62,46 @@ def test_cli_contract(tmp_path, monkeypatch):
     assert {k.key_hash for k in stored} >= {hash_key(key), hash_key(rotated)}
     assert actions == ["tenant.create", "key.create", "key.create", "key.revoke", "key.rotate", "tenant.update"]
     assert all(actor.startswith("cli:") for actor in actors)
+
+
+def test_serve_refuses_a_bad_engine_option_before_loading_anything(tmp_path, monkeypatch):
+    monkeypatch.setenv("SERVEGATE_DATABASE_URL", f"sqlite:///{tmp_path}/never.db")
+    runner = CliRunner()
+    for args, says in [(["--block-size", "0"], "block_size must be a positive integer"),
+                       (["--device", "gpu"], "device 'gpu' is not auto, cpu, cuda or cuda:N"),
+                       (["--dtype", "fp99"], "'fp99' is not one of")]:
+        result = runner.invoke(app, ["serve", *args])
+        assert result.exit_code != 0 and says in " ".join(result.output.split()), result.output
+    assert not (tmp_path / "never.db").exists()  # it stopped before touching the database
+
+
+def test_engine_config_is_checked_when_made():
+    import pytest
+
+    from backends.builtin.config import EngineConfig
+
+    for bad in ({"weight_quant": "int4"}, {"kv_cache_dtype": "fp8"}, {"attention": "flash"},
+                {"max_model_len": -1}, {"kv_cache_tokens": 1.5}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            EngineConfig(**bad)
+    assert EngineConfig(device="cuda:1", max_model_len=512).blocks() == 1024
+
+
+def test_the_operator_migration_keeps_only_the_default_tenants_admins_global(tmp_path):
+    from gateway.db import upgrade
+    from gateway.models import Tenant
+
+    engine = make_engine(f"sqlite:///{tmp_path}/old.db")
+    upgrade(engine, "0002")  # before the operator scope: `admin` administered everything
+    with Session(engine) as session:
+        default, acme = Tenant(name="default"), Tenant(name="acme")
+        session.add_all([default, acme])
+        session.flush()
+        for prefix, tenant, scopes in [("aaaaaaaa", default, "admin,inference"), ("bbbbbbbb", acme, "admin"),
+                                       ("cccccccc", acme, "inference")]:
+            session.add(ApiKey(prefix=prefix, key_hash=hash_key(prefix), tenant_id=tenant.id, scopes=scopes))
+        session.commit()
+    upgrade(engine)
+    with Session(engine) as session:
+        scopes = {k.prefix: k.scopes for k in session.exec(select(ApiKey))}
+    assert scopes == {"aaaaaaaa": "inference,operator", "bbbbbbbb": "admin", "cccccccc": "inference"}

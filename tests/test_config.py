@@ -27,7 +27,7 @@ def test_each_kind_builds_its_adapter(tmp_path):
         "edge": "LlamaCppBackend", "m6": "OpenAICompatBackend", "m7": "ProfileBackend", "llama3.2:1b": "ProfileBackend",
         "m9": "ProfileBackend", "qwen2.5-instruct": "ProfileBackend"}
     assert built["m4"].config.health_path == "/health" and built["m6"].config.max_context == 8192
-    assert built["llama3.2:1b"].config.health_path == "/api/version" and built["m7"].config.runtime == "tensorrt-llm"
+    assert built["llama3.2:1b"].config.health_path == "/api/version" and built["m7"].config.runtime == "trtllm"
     assert built["qwen2.5-instruct"].config.health_path == "/status"
 
 

@@ -137,7 +137,7 @@ class BuiltinBackend(Backend):
     async def capabilities(self) -> Capabilities:
         engine = self.engine
         return Capabilities(
-            runtime="servegate-builtin", version=servegate_version(), model=self.model_id,
+            runtime="builtin", version=servegate_version(), model=self.model_id,
             max_context=engine.max_model_len if engine else 0,
             prefix_caching=self.config.enable_prefix_caching,
             kv_dtype=self.config.dtype if self.config.kv_cache_dtype == "auto" else self.config.kv_cache_dtype,

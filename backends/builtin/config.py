@@ -1,27 +1,57 @@
-"""Engine settings: one plain dataclass, defaults sized for a small model on a CPU."""
+"""Engine settings: one plain dataclass, defaults sized for a small model on a CPU, checked when
+it is made (as nano-vllm's `Config` is), so a typo fails before any weight loads. Each field's
+`help` is what `servegate serve --help` shows: the command's options are these fields."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Literal
+
+Dtype = Literal["float32", "bfloat16", "float16", "float64"]
+
+
+def _help(text: str, default, flags: str | None = None):
+    return field(default=default, metadata={"help": text, "flags": flags})
 
 
 @dataclass
 class EngineConfig:
-    model: str = ""  # a GGUF file, or an HF directory (config.json + safetensors); "" = default model
-    served_name: str = ""  # the model id clients ask for; "" = derived from the file name
-    device: str = "auto"  # "auto" picks CUDA when present, else CPU
-    dtype: str = "float32"  # float32 | bfloat16 | float16 | float64
-    block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int | None = None  # None: sized from kv_cache_tokens
-    kv_cache_tokens: int = 16384  # KV capacity when num_kv_blocks is None (~720 MiB for the default model in fp32)
-    max_num_batched_tokens: int = 2048  # token budget of one step (decode first, then prefill chunks)
-    max_num_seqs: int = 64  # running sequences at most
-    max_model_len: int | None = None  # None: the model's own context length
-    enable_prefix_caching: bool = True
-    weight_quant: str = "none"  # none | int8 (CPU: dynamic int8 GEMMs, faster, no longer exact)
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 (per-token, per-head absmax scales)
-    attention: str = "auto"  # decode attention: auto (native kernel where it builds) | native | torch
-    cache_dir: str | None = None  # converted-weights cache; None: ~/.cache/servegate
+    model: str = _help("GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct).", "")
+    served_name: str = _help("Model id clients use (default: from the file name).", "")
+    device: str = _help("auto (CUDA when present, else CPU) | cpu | cuda | cuda:N", "auto")
+    dtype: Dtype = _help("Weights and activations.", "float32")
+    block_size: int = _help("Tokens per KV block.", 16)
+    num_kv_blocks: int | None = _help("KV blocks (default: sized from --kv-cache-tokens).", None)
+    kv_cache_tokens: int = _help("KV cache capacity in tokens (~720 MiB for the default model in fp32).", 16384)
+    max_num_batched_tokens: int = _help("Token budget of one engine step (decode first, then prefill chunks).",
+                                        2048)
+    max_num_seqs: int = _help("Running sequences at most.", 64)
+    max_model_len: int | None = _help("Context length cap (default: the model's own).", None)
+    enable_prefix_caching: bool = _help("Automatic prefix caching.", True, "--prefix-caching/--no-prefix-caching")
+    weight_quant: Literal["none", "int8"] = _help("int8: dynamic int8 GEMMs on CPU, faster, no longer exact.", "none")
+    kv_cache_dtype: Literal["auto", "int8"] = _help("auto: the model's dtype; int8: per-token, per-head scales.",
+                                                    "auto")
+    attention: Literal["auto", "native", "torch"] = _help(
+        "Decode attention: auto (the native kernel where it builds) | native | torch.", "auto")
+    cache_dir: str | None = _help("Converted-weights cache (default: ~/.cache/servegate).", None)
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(EngineConfig)
+        for f in dataclasses.fields(self):
+            choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is Literal else ()
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} {getattr(self, f.name)!r} is not one of {', '.join(choices)}")
+        for name in ("block_size", "kv_cache_tokens", "max_num_batched_tokens", "max_num_seqs", "num_kv_blocks",
+                     "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, not {value!r}")
+        device = self.device.split(":")
+        if device[0] not in ("auto", "cpu", "cuda") or len(device) > 2 or (len(device) == 2 and (
+                device[0] != "cuda" or not device[1].isdigit())):
+            raise ValueError(f"device {self.device!r} is not auto, cpu, cuda or cuda:N")
 
     def blocks(self) -> int:
         return self.num_kv_blocks or -(-self.kv_cache_tokens // self.block_size)

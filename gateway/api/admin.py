@@ -1,5 +1,8 @@
-"""Admin API (`/admin/...`, admin-scope keys only): tenants, keys, usage, audit log, routes.
-Changes take effect in this process at once and on other replicas within the refresh interval."""
+"""Admin API (`/admin/...`): tenants, keys, usage, audit log, routes. An operator administers
+everything; a tenant's administrator (`admin` scope) sees and manages its own tenant's keys and
+usage, within the limits the operator set, and nothing else: another tenant's names answer 404,
+as if they did not exist. Changes take effect in this process at once and on other replicas
+within the refresh interval."""
 
 from __future__ import annotations
 
@@ -11,7 +14,8 @@ from fastapi import APIRouter, Depends, Query
 from sqlmodel import Session, col, select
 
 from .. import routes, shadow, tenancy
-from ..deps import AdminPrincipal, GatewayDep
+from ..auth import Principal
+from ..deps import AdminPrincipal, GatewayDep, OperatorPrincipal
 from ..models import AuditLog
 from ..service import Gateway
 from ..tenancy import KeyCreated, KeyIn, KeyOut, TenantIn, TenantOut, TenantPatch, UsageReport
@@ -31,64 +35,81 @@ def _changed(gateway: Gateway) -> None:
     gateway.directory.load()  # this replica sees the change now, the others at their next refresh
 
 
+def _own(admin: Principal, tenant: str | None) -> str | None:
+    """The tenant a request may look at: any (None: all) for an operator, only its own for a
+    tenant's administrator."""
+    if "operator" in admin.scopes:
+        return tenant
+    if tenant is not None and tenant != admin.tenant.name:
+        raise tenancy.NotFound(f"no tenant named {tenant!r}")
+    return admin.tenant.name
+
+
+def _within(admin: Principal) -> str | None:
+    return None if "operator" in admin.scopes else admin.tenant.name
+
+
 @router.get("/tenants", response_model=list[TenantOut])
-def list_tenants(_: AdminPrincipal, session: SessionDep):
-    return tenancy.list_tenants(session)
+def list_tenants(admin: AdminPrincipal, session: SessionDep):
+    mine = _own(admin, None)
+    return [t for t in tenancy.list_tenants(session) if mine is None or t.name == mine]
 
 
 @router.post("/tenants", response_model=TenantOut, status_code=201)
-def create_tenant(body: TenantIn, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep):
+def create_tenant(body: TenantIn, admin: OperatorPrincipal, session: SessionDep, gateway: GatewayDep):
     tenant = tenancy.create_tenant(session, admin.subject, body)
     _changed(gateway)
     return tenant
 
 
 @router.get("/tenants/{name}", response_model=TenantOut)
-def get_tenant(name: str, _: AdminPrincipal, session: SessionDep):
+def get_tenant(name: str, admin: AdminPrincipal, session: SessionDep):
+    _own(admin, name)
     return TenantOut.model_validate(tenancy.get_tenant(session, name), from_attributes=True)
 
 
 @router.patch("/tenants/{name}", response_model=TenantOut)
-def update_tenant(name: str, body: TenantPatch, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep):
+def update_tenant(name: str, body: TenantPatch, admin: OperatorPrincipal, session: SessionDep, gateway: GatewayDep):
     tenant = tenancy.update_tenant(session, admin.subject, name, body)
     _changed(gateway)
     return tenant
 
 
 @router.get("/keys", response_model=list[KeyOut])
-def list_keys(_: AdminPrincipal, session: SessionDep, tenant: str | None = None):
-    return tenancy.list_keys(session, tenant)
+def list_keys(admin: AdminPrincipal, session: SessionDep, tenant: str | None = None):
+    return tenancy.list_keys(session, _own(admin, tenant))
 
 
 @router.post("/keys", response_model=KeyCreated, status_code=201)
 def create_key(body: KeyIn, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep):
-    key = tenancy.create_key(session, admin.subject, body)
+    _own(admin, body.tenant)
+    key = tenancy.create_key(session, admin.subject, body, operator="operator" in admin.scopes)
     _changed(gateway)
     return key
 
 
 @router.post("/keys/{prefix}/revoke", response_model=KeyOut)
 def revoke_key(prefix: str, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep):
-    key = tenancy.revoke_key(session, admin.subject, prefix)
+    key = tenancy.revoke_key(session, admin.subject, prefix, _within(admin))
     _changed(gateway)
     return key
 
 
 @router.post("/keys/{prefix}/rotate", response_model=KeyCreated)
 def rotate_key(prefix: str, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep):
-    key = tenancy.rotate_key(session, admin.subject, prefix)
+    key = tenancy.rotate_key(session, admin.subject, prefix, _within(admin))
     _changed(gateway)
     return key
 
 
 @router.get("/usage", response_model=UsageReport)
-def usage(_: AdminPrincipal, session: SessionDep, tenant: str | None = None, since: datetime | None = None,
+def usage(admin: AdminPrincipal, session: SessionDep, tenant: str | None = None, since: datetime | None = None,
           until: datetime | None = None, limit: Annotated[int, Query(ge=1, le=10_000)] = 100):
-    return tenancy.usage_report(session, tenant, since, until, limit)
+    return tenancy.usage_report(session, _own(admin, tenant), since, until, limit)
 
 
 @router.get("/audit")
-def audit(_: AdminPrincipal, session: SessionDep,
+def audit(_: OperatorPrincipal, session: SessionDep,
           limit: Annotated[int, Query(ge=1, le=10_000)] = 100) -> list[dict[str, Any]]:
     rows = session.exec(select(AuditLog).order_by(col(AuditLog.id).desc()).limit(limit))
     return [row.model_dump(mode="json") for row in rows]
@@ -96,17 +117,17 @@ def audit(_: AdminPrincipal, session: SessionDep,
 
 # -- routes: versioned, audited; this replica serves a change at once, the others within the refresh
 @router.get("/routes", response_model=list[routes.RouteState])
-def list_routes(_: AdminPrincipal, session: SessionDep):
+def list_routes(_: OperatorPrincipal, session: SessionDep):
     return list(routes.table(session).values())
 
 
 @router.get("/routes/{alias}")
-def route_history(alias: str, _: AdminPrincipal, session: SessionDep) -> dict[str, Any]:
+def route_history(alias: str, _: OperatorPrincipal, session: SessionDep) -> dict[str, Any]:
     return routes.history(session, alias)
 
 
 @router.post("/routes/{alias}/deploy", response_model=routes.RouteOut, status_code=201)
-def deploy_route(alias: str, body: routes.DeployIn, admin: AdminPrincipal, session: SessionDep,
+def deploy_route(alias: str, body: routes.DeployIn, admin: OperatorPrincipal, session: SessionDep,
                  gateway: GatewayDep):
     out = routes.deploy(session, admin.subject, alias, body.spec, body.canary_share, set(gateway.router.by_name))
     gateway.load_routes()
@@ -114,14 +135,14 @@ def deploy_route(alias: str, body: routes.DeployIn, admin: AdminPrincipal, sessi
 
 
 @router.post("/routes/{alias}/promote", response_model=routes.RouteOut)
-def promote_route(alias: str, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep):
+def promote_route(alias: str, admin: OperatorPrincipal, session: SessionDep, gateway: GatewayDep):
     out = routes.promote(session, admin.subject, alias)
     gateway.load_routes()
     return out
 
 
 @router.post("/routes/{alias}/rollback", response_model=routes.RouteOut)
-def rollback_route(alias: str, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep,
+def rollback_route(alias: str, admin: OperatorPrincipal, session: SessionDep, gateway: GatewayDep,
                    to: int | None = None, reason: str = ""):
     out = routes.rollback(session, admin.subject, alias, to, reason)
     gateway.load_routes()
@@ -129,6 +150,6 @@ def rollback_route(alias: str, admin: AdminPrincipal, session: SessionDep, gatew
 
 
 @router.get("/routes/{alias}/shadow")
-def shadow_report(alias: str, _: AdminPrincipal, session: SessionDep) -> list[dict[str, Any]]:
+def shadow_report(alias: str, _: OperatorPrincipal, session: SessionDep) -> list[dict[str, Any]]:
     """Mirrored requests of this alias: each candidate against the primary answers."""
     return shadow.report(session, alias)
