@@ -9,6 +9,7 @@ subclasses so that the gateway can map them to HTTP statuses and fallback decisi
 from __future__ import annotations
 
 import abc
+import dataclasses
 import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -175,6 +176,23 @@ class Backend(abc.ABC):
     """An LLM runtime behind servegate. Implementations must be safe to call concurrently."""
 
     name: str
+    # Request fields beyond GenerateRequest's that this backend passes to its runtime (backends/fields.py).
+    EXTRA_FIELDS: frozenset[str] = frozenset()
+
+    @property
+    def extra_fields(self) -> frozenset[str]:
+        return self.EXTRA_FIELDS
+
+    def admit_extras(self, request: GenerateRequest) -> GenerateRequest:
+        """`request` with only the extra fields this backend takes. One it does not take is refused
+        by name when set; left at an empty or default-like value (clients send those), it is dropped."""
+        unknown = [key for key in request.extra if key not in self.extra_fields]
+        for key in unknown:
+            if request.extra[key] not in (None, False, 0, "", [], {}):
+                raise InvalidRequest(f"parameter {key!r} is not supported by backend {self.name!r}", param=key)
+        if not unknown:
+            return request
+        return dataclasses.replace(request, extra={k: v for k, v in request.extra.items() if k not in unknown})
 
     async def start(self) -> None:
         """Connect or load. `health()` says LOADING until this is done."""

@@ -25,6 +25,7 @@ from typing import Any
 
 import aiohttp
 
+from . import fields
 from .base import (
     Backend,
     BackendError,
@@ -55,9 +56,13 @@ def llama_server_config(base_url: str, model: str, python_server: bool = False, 
 
 
 class LlamaCppServerBackend(OpenAICompatBackend):
+    EXTRA_FIELDS = fields.LLAMA_SERVER
+
     def __init__(self, config: OpenAICompatConfig, name: str = "llama-server") -> None:
         super().__init__(config, name)
         self.python_server = config.runtime == "llama-cpp-server"
+        if self.python_server:
+            self.EXTRA_FIELDS = fields.LLAMA_CPP_SERVER
         self.props: dict = {}
 
     async def start(self) -> None:
@@ -256,9 +261,7 @@ class LlamaCppBackend(Backend):
         if request.max_tokens is not None and request.max_tokens < 1:
             raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
         check_sampling(request)
-        for key, value in request.extra.items():
-            if value not in (None, False, 0, "", [], {}):
-                raise InvalidRequest(f"parameter {key!r} is not supported by the llama.cpp backend", param=key)
+        self.admit_extras(request)  # whoever calls the engine directly gets the same refusal
 
     def _run(self, slot, request: GenerateRequest, emit, cancelled: threading.Event) -> None:
         """On the slot's thread: stream the completion, one chunk per token, into `emit`."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from . import fields
 from .base import (
     Backend,
     BackendError,
@@ -55,12 +56,19 @@ class OpenAICompatConfig:
     max_context: int = 0  # 0: ask /v1/models (vLLM's `max_model_len`)
     max_connections: int = 256
     timeouts: Timeouts = field(default_factory=Timeouts)
+    # Request fields this upstream takes beyond those its adapter knows (a custom server's own).
+    extra_fields: list[str] = field(default_factory=list)
 
 
 class OpenAICompatBackend(Backend):
     # A runtime's own finish reasons, in OpenAI's words (TGI's chat route says `eos_token`...).
     FINISH_REASONS: dict[str, str] = {}
     HEALTH_TIMEOUT_S = 5.0
+    EXTRA_FIELDS = fields.OPENAI
+
+    @property
+    def extra_fields(self) -> frozenset[str]:
+        return self.EXTRA_FIELDS | set(self.config.extra_fields)
 
     def __init__(self, config: OpenAICompatConfig, name: str = "openai") -> None:
         self.name, self.config = name, config

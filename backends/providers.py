@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import fields
 from .base import (
     Backend,
     BackendError,
@@ -75,6 +76,8 @@ def map_error(litellm, exc: Exception) -> BackendError:
 
 
 class ProviderBackend(Backend):
+    EXTRA_FIELDS = fields.OPENAI
+
     def __init__(self, config: ProviderConfig, name: str = "provider") -> None:
         self.name, self.config = name, config
         self.litellm = None

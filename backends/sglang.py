@@ -17,11 +17,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from . import fields
 from .base import Capabilities, Delta, Event, Finish, GenerateRequest, Load, UpstreamError, Usage
 from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_from_body
 
 
 class SGLangBackend(OpenAICompatBackend):
+    EXTRA_FIELDS = fields.SGLANG
     # `/health` runs a one-token generation and waits up to SGLANG_HEALTH_CHECK_TIMEOUT (20 s) for
     # it (`http_server.py`): under load that is no sign of a dead server.
     HEALTH_TIMEOUT_S = 25.0

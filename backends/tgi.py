@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 
+from . import fields
 from .base import (
     BackendError,
     Capabilities,
@@ -43,6 +44,7 @@ def tgi_error(error_type: str | None, message: str) -> BackendError:
 
 class TGIBackend(OpenAICompatBackend):
     FINISH_REASONS = FINISH_REASONS
+    EXTRA_FIELDS = fields.TGI
 
     def __init__(self, config: OpenAICompatConfig, name: str = "tgi") -> None:
         super().__init__(config, name)

@@ -7,12 +7,15 @@ limits refuse one (so clients retry elsewhere)."""
 
 from __future__ import annotations
 
+from . import fields
 from .base import Capabilities, Load, TokenSpan
 from .openai_compat import OpenAICompatBackend, OpenAICompatConfig
 from .tokenization import spans, vocabulary_bytes
 
 
 class VLLMBackend(OpenAICompatBackend):
+    EXTRA_FIELDS = fields.VLLM
+
     def __init__(self, config: OpenAICompatConfig, name: str = "vllm") -> None:
         config.runtime = "vllm"
         super().__init__(config, name)

@@ -190,8 +190,9 @@ class Call:
             for number, backend in enumerate(candidates, 1):
                 self.backend = backend
                 try:
+                    greq = backend.admit_extras(self.greq)  # nothing undeclared goes upstream
                     async with self._slot(backend):
-                        async for event in self._timed(backend.generate(self.greq)):
+                        async for event in self._timed(backend.generate(greq)):
                             yield event
                     return
                 except BackendError as exc:

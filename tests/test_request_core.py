@@ -19,6 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from advisor.bench import stub
+from backends.base import GenerateRequest
 from backends.openai_compat import OpenAICompatBackend, OpenAICompatConfig
 
 from .conftest import ADMIN_KEY, AUTH, REDIS_URL, gateway_app, needs_redis, openai_upstream, serve_app, wait_ready
@@ -341,3 +342,43 @@ def test_metrics_are_open_to_loopback_only_unless_a_scrape_token_is_set(tmp_path
         assert httpx.get(url + "/metrics", headers=bearer("scrape-me")).status_code == 200
         assert httpx.get(url + "/metrics", headers=bearer("scrape-me-not")).status_code == 401
 
+
+
+def recording(app, bodies: list[dict]):
+    """`app`, recording each POSTed JSON body."""
+
+    async def wrapper(scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await app(scope, receive, send)
+        body = await stub.read_body(receive)
+        bodies.append(json.loads(body))
+
+        async def replay():
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await app(scope, replay, send)
+
+    return wrapper
+
+
+def test_unknown_fields_never_reach_an_upstream_unless_its_backend_takes_them(tmp_path):
+    bodies: list[dict] = []
+    upstream = recording(openai_upstream(lambda path: answer(count=2)), bodies)
+    with gateway_over({"remote": upstream}, tmp_path) as gw:
+        def ask(**fields) -> httpx.Response:
+            return httpx.post(gw.url + "/v1/completions", headers=AUTH,
+                              json={"model": "remote", "prompt": "hi", "max_tokens": 5, **fields})
+
+        for field in ("n_predict", "priority", "lora_path", "best_of"):  # a way around billing, or none known
+            refused = ask(**{field: 7})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
+        assert not bodies  # nothing was sent
+        assert ask(logprobs=2, user="u1", frequency_penalty=0.5, priority=0).status_code == 200
+        assert bodies[-1]["logprobs"] == 2 and bodies[-1]["user"] == "u1" and "priority" not in bodies[-1]
+        tgi_style = httpx.post(gw.url + "/generate", headers=AUTH,
+                               json={"inputs": "hi", "parameters": {"max_new_tokens": 5, "adapter_id": "x"}})
+        assert tgi_style.status_code == 422 and "adapter_id" in tgi_style.json()["error"]
+
+    custom = remote("http://127.0.0.1:9")
+    custom.config.extra_fields = ["house_knob"]
+    assert custom.admit_extras(GenerateRequest("r", prompt="hi", extra={"house_knob": 1})).extra == {"house_knob": 1}

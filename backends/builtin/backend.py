@@ -7,6 +7,7 @@ import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from .. import fields
 from ..base import (
     Backend,
     Capabilities,
@@ -31,12 +32,12 @@ from .sequence import SamplingParams
 log = logging.getLogger("servegate.builtin")
 
 MAX_N = 16
-# OpenAI fields a client may send that change nothing here.
-HARMLESS_EXTRAS = {"user", "parallel_tool_calls", "metadata", "store", "service_tier"}
 
 
 class BuiltinBackend(Backend):
     """servegate's own paged, prefix-caching, continuously batching engine, in process."""
+
+    EXTRA_FIELDS = fields.HARMLESS
 
     def __init__(self, config: EngineConfig | None = None, name: str = "builtin") -> None:
         self.name = name
@@ -105,9 +106,7 @@ class BuiltinBackend(Backend):
         return tokenizer.encode(text, add_special_tokens=False)  # the template holds any special tokens
 
     def _sampling_params(self, engine: LLMEngine, request: GenerateRequest, num_prompt_tokens: int) -> SamplingParams:
-        for key, value in request.extra.items():
-            if key not in HARMLESS_EXTRAS and value not in (None, False, 0, "", [], {}):
-                raise InvalidRequest(f"parameter {key!r} is not supported by the built-in engine", param=key)
+        request = self.admit_extras(request)  # whoever calls the engine directly gets the same refusal
         if request.max_tokens is not None and request.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
         if request.temperature < 0:
