@@ -161,7 +161,7 @@ def serve(
     with Session(db) as session:
         key = bootstrap(session, settings.admin_key)
     if key and not settings.admin_key:
-        typer.echo(f"Created tenant `default` and its admin key (shown once, store it now):\n{key}", err=True)
+        typer.echo(f"Created tenant `default` and an operator key (shown once, store it now):\n{key}", err=True)
     # uvicorn's access log is off: every inference request gets its own JSON line with richer fields.
     uvicorn.run(create_app(backends, settings, db), host=host, port=port, log_level=log_level, log_config=None,
                 access_log=False)
