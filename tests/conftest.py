@@ -110,8 +110,23 @@ needs_redis = pytest.mark.skipif(not _reachable(REDIS_URL), reason=f"no Redis se
 needs_postgres = pytest.mark.skipif(not _reachable(POSTGRES_URL),
                                     reason=f"no PostgreSQL server at {POSTGRES_URL} (CI starts one)")
 
-ADMIN_KEY = "sg-test-admin-key"  # the bootstrap admin key of every test gateway
+ADMIN_KEY = "sg-test-admin-key"  # the bootstrap operator key of every test gateway
 AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def usage_records(url: str, tenant: str, count: int = 1, timeout: float = 10) -> list[dict]:
+    """The tenant's usage records, newest first, once the ledger writer has moved `count` of them in."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = httpx.get(f"{url}/admin/usage", params={"tenant": tenant}, headers=AUTH, timeout=30).json()
+        if len(records["records"]) >= count:
+            return records["records"]
+        assert time.monotonic() < deadline, f"only {len(records['records'])} of {count} usage records arrived"
+        time.sleep(0.05)
 
 
 def gateway_app(backends: dict, home: Path, db_url: str | None = None, **settings):

@@ -20,7 +20,7 @@ from backends.builtin import BuiltinBackend, EngineConfig
 from gateway.db import make_engine
 from gateway.keys import key_prefix
 
-from .conftest import ADMIN_KEY, AUTH, gateway_app, serve_app, wait_ready
+from .conftest import ADMIN_KEY, AUTH, bearer, gateway_app, serve_app, usage_records, wait_ready
 
 PROMPT = "Count with me:"
 
@@ -38,10 +38,6 @@ def gw(tiny_model_dir, tmp_path_factory):
     with serve_app(app) as url:
         wait_ready(url)
         yield SimpleNamespace(url=url, home=home, gateway=app.state.gateway, backends=backends)
-
-
-def bearer(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
 
 
 def admin(gw, method: str, path: str, **kwargs) -> httpx.Response:
@@ -63,17 +59,6 @@ def client(gw, key: str) -> openai.OpenAI:
 
 def prefix(key: str) -> str:
     return key.split("_")[1]
-
-
-def usage_of(gw, tenant: str, count: int, timeout: float = 10) -> list[dict]:
-    """The tenant's usage records once the ledger writer has moved `count` of them in."""
-    deadline = time.monotonic() + timeout
-    while True:
-        records = admin(gw, "GET", "/admin/usage", params={"tenant": tenant}).json()["records"]
-        if len(records) >= count:
-            return records
-        assert time.monotonic() < deadline, f"only {len(records)} of {count} usage records arrived"
-        time.sleep(0.1)
 
 
 def away_from_minute_edge() -> None:
@@ -157,7 +142,8 @@ def test_jwt_bearer_tokens_name_their_tenant(tiny_model_dir, tmp_path):
     private = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     public = private.public_key().public_bytes(serialization.Encoding.PEM,
                                                serialization.PublicFormat.SubjectPublicKeyInfo).decode()
-    app = gateway_app({"tiny": tiny_backend(tiny_model_dir)}, tmp_path, jwt_public_key=public, jwt_audience="sg")
+    app = gateway_app({"tiny": tiny_backend(tiny_model_dir)}, tmp_path, jwt_public_key=public, jwt_audience="sg",
+                      jwt_operator_scope="platform-operator")
     with serve_app(app) as url:
         wait_ready(url)
 
@@ -180,6 +166,13 @@ def test_jwt_bearer_tokens_name_their_tenant(tiny_model_dir, tmp_path):
         for scope in (7, [["admin"]], {"admin": True}):  # a claim of the wrong type is the token's fault
             refused = httpx.get(f"{url}/v1/models", headers=bearer(token(tenant="default", scope=scope)))
             assert refused.status_code == 401 and "scope" in refused.json()["error"]["message"], scope
+        # `admin` in a token administers its own tenant; only the configured scope makes an operator.
+        for scope in ("admin", "admin operator"):
+            tenant_admin = bearer(token(tenant="default", scope=scope))
+            assert httpx.post(f"{url}/admin/tenants", json={"name": "x"}, headers=tenant_admin).status_code == 403
+            assert [t["name"] for t in httpx.get(f"{url}/admin/tenants", headers=tenant_admin).json()] == ["default"]
+        operator = bearer(token(tenant="default", scope="platform-operator"))
+        assert httpx.post(f"{url}/admin/tenants", json={"name": "made-by-sso"}, headers=operator).status_code == 201
 
 
 def test_jwt_signing_keys_come_from_a_jwks_url(tiny_model_dir, tmp_path):
@@ -246,7 +239,7 @@ def test_tokens_per_minute_are_reserved_in_flight_and_returned_on_disconnect(gw)
         assert third.status_code == 200
         too_big = http.post("/v1/completions", json=body | {"max_tokens": limit})
         assert too_big.status_code == 400 and "lower max_tokens" in too_big.json()["error"]["message"]
-    records = usage_of(gw, name, 2)
+    records = usage_records(gw.url, name, 2)
     cancelled = next(r for r in records if r["status"] == "cancelled")
     used = sum(r["prompt_tokens"] + r["completion_tokens"] for r in records)
     assert 5 <= cancelled["completion_tokens"] < 200 and used <= limit
@@ -270,7 +263,7 @@ def test_a_client_that_leaves_mid_stream_frees_kv_and_is_recorded_as_cancelled(g
     while engine.kv.num_used or engine.scheduler.running:
         assert time.monotonic() < deadline, "the abandoned stream still holds KV blocks"
         time.sleep(0.01)
-    (record,) = usage_of(gw, name, 1)
+    (record,) = usage_records(gw.url, name, 1)
     assert record["status"] == "cancelled" and record["stream"] and record["ttft_ms"] > 0
     assert 7 <= record["completion_tokens"] < 1500 and record["prompt_tokens"] > 0
 

@@ -22,14 +22,21 @@ from advisor.bench import stub
 from backends.base import GenerateRequest
 from backends.openai_compat import OpenAICompatBackend, OpenAICompatConfig
 
-from .conftest import ADMIN_KEY, AUTH, REDIS_URL, gateway_app, needs_redis, openai_upstream, serve_app, wait_ready
+from .conftest import (
+    ADMIN_KEY,
+    AUTH,
+    REDIS_URL,
+    bearer,
+    gateway_app,
+    needs_redis,
+    openai_upstream,
+    serve_app,
+    usage_records,
+    wait_ready,
+)
 
 PIECES = 60  # an upstream answer, one token per piece, streamed every PIECE_S
 PIECE_S = 0.02
-
-
-def bearer(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
 
 
 def piece(text: str | None, finish: str | None = None, usage: dict | None = None) -> bytes:
@@ -78,16 +85,6 @@ def tenant_with_key(gw, scopes: tuple[str, ...] = ("inference",), **limits) -> t
     return name, created.json()["key"]
 
 
-def records(gw, tenant: str, count: int = 1, timeout: float = 10) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while True:
-        found = admin(gw, "GET", "/admin/usage", params={"tenant": tenant}).json()["records"]
-        if len(found) >= count:
-            return found
-        assert time.monotonic() < deadline, f"only {len(found)} of {count} usage records arrived"
-        time.sleep(0.05)
-
-
 def tokens_today(gw, tenant: str) -> int:
     """What the tenant's daily token window holds (the quota store's own count)."""
     day = int(time.time() // 86_400)
@@ -113,7 +110,7 @@ def test_a_client_that_hangs_up_mid_stream_is_billed_what_it_received(tmp_path):
     with gateway_over({"remote": openai_upstream(lambda path: answer())}, tmp_path) as gw:
         tenant, key = tenant_with_key(gw, tpm=100_000)
         received = read_pieces(gw, key, 10)
-        record = records(gw, tenant)[0]
+        record = usage_records(gw.url, tenant)[0]
         assert record["status"] == "cancelled" and record["completion_tokens"] >= received == 10
         total = record["prompt_tokens"] + record["completion_tokens"]
         deadline = time.monotonic() + 5
@@ -125,7 +122,7 @@ def test_a_client_that_hangs_up_mid_stream_is_billed_what_it_received(tmp_path):
         done = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key).completions.create(
             model="remote", prompt="hi", max_tokens=500)
         assert done.usage.completion_tokens == PIECES
-        assert records(gw, tenant, 2)[0]["completion_tokens"] == PIECES
+        assert usage_records(gw.url, tenant, 2)[0]["completion_tokens"] == PIECES
 
 
 def test_an_upstream_that_lies_about_usage_is_billed_from_what_it_sent(tmp_path):
@@ -137,7 +134,7 @@ def test_an_upstream_that_lies_about_usage_is_billed_from_what_it_sent(tmp_path)
         tenant, key = tenant_with_key(gw)
         done = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key).completions.create(
             model="remote", prompt="hi", max_tokens=500)
-        assert done.usage.completion_tokens == 20 and records(gw, tenant)[0]["completion_tokens"] == 20
+        assert done.usage.completion_tokens == 20 and usage_records(gw.url, tenant)[0]["completion_tokens"] == 20
 
 
 def test_an_upstream_that_dies_mid_stream_bills_what_was_sent(tmp_path):
@@ -148,7 +145,7 @@ def test_an_upstream_that_dies_mid_stream_bills_what_was_sent(tmp_path):
         with httpx.stream("POST", gw.url + "/v1/completions", json=body, headers=bearer(key), timeout=30) as r:
             lines = [line for line in r.iter_lines() if line.startswith("data:")]
         assert sum('"tok ' in line for line in lines) == 12 and '"error"' in lines[-2] and lines[-1] == "data: [DONE]"
-        record = records(gw, tenant)[0]
+        record = usage_records(gw.url, tenant)[0]
         assert record["status"] == "error" and record["completion_tokens"] >= 12
         deadline = time.monotonic() + 5
         while tokens_today(gw, tenant) != record["prompt_tokens"] + record["completion_tokens"]:
@@ -250,7 +247,7 @@ def test_a_client_that_leaves_before_the_first_token_is_recorded_cancelled_witho
         for _ in range(3):
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(gw.url + path, json=body, headers=bearer(key), timeout=0.3)
-        cancelled = records(gw, tenant, 3)
+        cancelled = usage_records(gw.url, tenant, 3)
         assert [r["status"] for r in cancelled] == ["cancelled"] * 3
         assert all(r["completion_tokens"] == 0 for r in cancelled)
         time.sleep(1.5)  # the upstream's late answers arrive at nobody
