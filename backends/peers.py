@@ -52,12 +52,13 @@ def vllm_python() -> Path:
 
 
 def vllm_command(model_dir: str | Path, port: int, served_name: str, max_model_len: int = 2048,
-                 extra: Sequence[str] = ()) -> list[str]:
+                 extra: Sequence[str] = (), dtype: str = "bfloat16") -> list[str]:
     """vLLM's OpenAI server, started as a module: the `vllm` command reads the version of a
-    distribution named `vllm`, which only the record this module writes provides."""
+    distribution named `vllm`, which only the record this module writes provides. bf16 is its
+    default and best setting on CPU."""
     return [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", str(max_model_len), "--dtype", "bfloat16", *extra]
+            "--max-model-len", str(max_model_len), "--dtype", dtype, *extra]
 
 
 @contextlib.contextmanager

@@ -172,8 +172,10 @@ def servegate_env() -> Iterator[tuple[dict[str, str], str]]:
                "SERVEGATE_ADMIN_KEY": key}, key
 
 
-# llama-cpp-default keeps the server's default interrupt_requests=True, to show what it does.
-SYSTEMS = ("builtin", "builtin-int8", "hf-static", "llama-cpp", "llama-cpp-default")
+# llama-cpp-default keeps the server's default interrupt_requests=True, to show what it does; vllm
+# is vLLM's CPU build from its own environment (`python -m backends.peers vllm`).
+SYSTEMS = ("builtin", "builtin-bf16", "builtin-int8", "hf-static", "llama-cpp", "llama-cpp-default", "vllm",
+           "vllm-fp32")
 
 
 @contextlib.contextmanager
@@ -186,14 +188,21 @@ def system_target(name: str, model: str | None = None):
     gguf = Path(model) if model else default_model_path()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    if name in ("builtin", "builtin-int8"):
-        extra = ["--weight-quant", "int8"] if name == "builtin-int8" else []
+    if name in ("builtin", "builtin-bf16", "builtin-int8"):
+        extra = {"builtin-int8": ["--weight-quant", "int8"], "builtin-bf16": ["--dtype", "bfloat16"]}.get(name, [])
         with servegate_env() as (env, key), server_process(servegate_command(port, model or "") + extra, url, "/ready",
                                                              env=env):
             yield OpenAITarget(url, api_key=key)
     elif name in ("llama-cpp", "llama-cpp-default"):
         command = llama_cpp_command(gguf, port, interrupt_requests=name == "llama-cpp-default")
         with server_process(command, url, "/v1/models"):
+            yield OpenAITarget(url)
+    elif name in ("vllm", "vllm-fp32"):
+        from backends import peers
+
+        command = peers.vllm_command(gguf_to_hf_dir(gguf) if gguf.suffix == ".gguf" else gguf, port, "vllm",
+                                     dtype="float32" if name == "vllm-fp32" else "bfloat16")
+        with server_process(command, url, "/health", timeout=900, env=peers.vllm_env()):
             yield OpenAITarget(url)
     elif name == "hf-static":
         yield BackendTarget(HFStaticBackend(gguf_to_hf_dir(gguf) if gguf.suffix == ".gguf" else gguf))
