@@ -95,6 +95,7 @@ class Capabilities:
     model: str
     max_context: int
     prefix_caching: bool
+    dtype: str | None = None  # weights and activations, where the runtime says
     kv_dtype: str | None = None
     structured_output: bool = False
     tokenize: bool = False

@@ -55,6 +55,15 @@ def amx_reported_but_unusable() -> bool:
     return "amx_tile" in cpu_flags() and amx_probe() != 0
 
 
+def bf16_native() -> str | None:
+    """The instructions this CPU multiplies bfloat16 with (oneDNN uses them through PyTorch), or
+    None where bf16 would be emulated and slower than float32."""
+    flags = cpu_flags()
+    if "amx_bf16" in flags and not amx_reported_but_unusable():
+        return "AMX-BF16"
+    return "AVX512-BF16" if "avx512_bf16" in flags else None
+
+
 def llama_cpp_safe() -> None:
     """Make llama-cpp-python's `Llama` skip llama.cpp's extra buffer types where AMX is reported
     but unusable (its constructor takes the model parameters from `llama_model_default_params`

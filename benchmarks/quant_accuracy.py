@@ -1,9 +1,10 @@
-"""INT8 KV cache or INT8 weights against the fp32 engine: memory, greedy agreement, logit error.
+"""bf16, an INT8 KV cache or INT8 weights against the fp32 engine: memory, greedy agreement, logit
+error.
 
 Both engines run the same chat prompts greedily. Agreement is measured per prompt as the share
 of output positions before the first differing token; logit error is the max absolute difference
 of the next-token logits at the positions both engines reached with the same tokens so far.
-Usage: python benchmarks/quant_accuracy.py [--variant kv|weights] [--prompts 16] [--max-tokens 64]
+Usage: python benchmarks/quant_accuracy.py [--variant kv|weights|bf16] [--prompts 16] [--max-tokens 64]
 """
 
 from __future__ import annotations
@@ -42,28 +43,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--variant", default="kv", help="kv (int8 KV cache) | weights (int8 GEMMs)")
+    parser.add_argument("--variant", default="kv",
+                        help="kv (int8 KV cache) | weights (int8 GEMMs) | bf16 (weights, activations and KV)")
     args = parser.parse_args()
     loaded = load_model()
     tok = loaded.tokenizer
-    int8 = {"kv": {"kv_cache_dtype": "int8"}, "weights": {"weight_quant": "int8"}}[args.variant]
-    engines = {"auto": LLMEngine(EngineConfig(kv_cache_tokens=4096), loaded),
-               "int8": LLMEngine(EngineConfig(kv_cache_tokens=4096, **int8), loaded)}
+    variant = {"kv": {"kv_cache_dtype": "int8"}, "weights": {"weight_quant": "int8"},
+               "bf16": {"dtype": "bfloat16"}}[args.variant]
+    engines = {"fp32": LLMEngine(EngineConfig(kv_cache_tokens=4096, dtype="float32"), loaded),
+               "variant": LLMEngine(EngineConfig(kv_cache_tokens=4096, **variant), loaded)}
     agreement, identical, worst = [], 0, 0.0
     for topic in TOPICS[: args.prompts]:
         text = tok.apply_chat_template([{"role": "user", "content": f"Write a few sentences about {topic}."}],
                                        add_generation_prompt=True, tokenize=False)
         prompt = tok.encode(text, add_special_tokens=False)
-        (ref, ref_logits), (q8, q8_logits) = (recorded(engines[k], prompt, args.max_tokens) for k in ("auto", "int8"))
+        (ref, ref_logits), (q8, q8_logits) = (recorded(engines[k], prompt, args.max_tokens) for k in engines)
         same = next((i for i, (a, b) in enumerate(zip(ref, q8)) if a != b), min(len(ref), len(q8)))
         agreement.append(same / len(ref))
         identical += ref == q8
         for a, b in zip(ref_logits[: same + 1], q8_logits[: same + 1]):
-            worst = max(worst, (a - b).abs().max().item())
+            worst = max(worst, (a.float() - b.float()).abs().max().item())
     per_token = {k: e.runner.kv_bytes_per_token() for k, e in engines.items()}
-    print(f"variant: int8 {args.variant}")
-    print(f"KV bytes per token: {per_token['auto']:.0f} ({engines['auto'].config.dtype}) -> "
-          f"{per_token['int8']:.0f} (int8), {per_token['auto'] / per_token['int8']:.2f}x smaller")
+    print(f"variant: {args.variant}")
+    print(f"KV bytes per token: {per_token['fp32']:.0f} (float32) -> {per_token['variant']:.0f} ({args.variant}), "
+          f"{per_token['fp32'] / per_token['variant']:.2f}x smaller")
     print(f"greedy outputs identical: {identical}/{len(agreement)}; mean share of positions before the first "
           f"difference: {sum(agreement) / len(agreement):.3f}")
     print(f"max |logit difference| while the outputs agree: {worst:.4f}")

@@ -38,6 +38,7 @@ def make_engine(default_model):
     """Engines on the default model (weights shared); every test's engines must end leak-free."""
 
     def make(loaded=None, **overrides) -> LLMEngine:
+        overrides.setdefault("dtype", "float32")  # exact against the fp32 references, on every CPU
         engine = LLMEngine(EngineConfig(**overrides), loaded or default_model)
         _engines.append(engine)
         return engine

@@ -81,3 +81,17 @@ def test_llama_cpp_python_server_runs_under_the_guard():
     done = subprocess.run([sys.executable, "-m", "backends.cpu", "llama_cpp.server", "--help"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and "--n_ctx" in done.stdout
+
+
+def test_dtype_auto_takes_bf16_only_where_the_cpu_multiplies_it_natively(monkeypatch):
+    import torch
+
+    from backends.builtin.model_runner import pick_dtype
+
+    cpu_device = torch.device("cpu")
+    for flags, expected in [({"avx2", "fma"}, None), ({"avx512f", "avx512_bf16"}, "AVX512-BF16")]:
+        monkeypatch.setattr(cpu, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert cpu.bf16_native() == expected
+        dtype, why = pick_dtype("auto", cpu_device)
+        assert dtype == (torch.bfloat16 if expected else torch.float32) and (expected or "no native bf16") in why
+    assert pick_dtype("float32", cpu_device) == (torch.float32, "asked")  # asked for, it is what runs

@@ -54,8 +54,14 @@ class BuiltinBackend(Backend):
             self._load_error = exc
             raise
         self.engine, self._async = engine, AsyncLLMEngine(engine)
-        log.info("model %s loaded: max context %d, %d KV blocks of %d tokens", self.model_id,
-                 engine.max_model_len, engine.kv.num_blocks, engine.kv.block_size)
+        log.info("model %s loaded: %s (%s), max context %d, %d KV blocks of %d tokens", self.model_id,
+                 self.dtype, engine.runner.dtype_reason, engine.max_model_len, engine.kv.num_blocks,
+                 engine.kv.block_size)
+
+    @property
+    def dtype(self) -> str | None:
+        """The dtype the engine runs in (what `auto` chose), once loaded."""
+        return str(self.engine.runner.dtype).removeprefix("torch.") if self.engine else None
 
     async def close(self) -> None:
         if self._async is not None:
@@ -139,7 +145,8 @@ class BuiltinBackend(Backend):
             runtime="builtin", version=servegate_version(), model=self.model_id,
             max_context=engine.max_model_len if engine else 0,
             prefix_caching=self.config.enable_prefix_caching,
-            kv_dtype=self.config.dtype if self.config.kv_cache_dtype == "auto" else self.config.kv_cache_dtype,
+            dtype=self.dtype,
+            kv_dtype=self.dtype if self.config.kv_cache_dtype == "auto" else self.config.kv_cache_dtype,
             tokenize=True,
             features=frozenset({"n", "seed", "stop", "stop_token_ids", "ignore_eos", "top_k"}),
         )

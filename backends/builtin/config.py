@@ -9,7 +9,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-Dtype = Literal["float32", "bfloat16", "float16", "float64"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16", "float64"]
 
 
 def _help(text: str, default, flags: str | None = None):
@@ -21,7 +21,8 @@ class EngineConfig:
     model: str = _help("GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct).", "")
     served_name: str = _help("Model id clients use (default: from the file name).", "")
     device: str = _help("auto (CUDA when present, else CPU) | cpu | cuda | cuda:N", "auto")
-    dtype: Dtype = _help("Weights and activations.", "float32")
+    dtype: Dtype = _help("Weights and activations; auto: bfloat16 where the CPU multiplies it natively "
+                         "(AVX512-BF16, AMX) or on CUDA, else float32.", "auto")
     block_size: int = _help("Tokens per KV block.", 16)
     num_kv_blocks: int | None = _help("KV blocks (default: sized from --kv-cache-tokens).", None)
     kv_cache_tokens: int = _help("KV cache capacity in tokens (~720 MiB for the default model in fp32).", 16384)

@@ -30,6 +30,19 @@ def quantized(model: torch.nn.Module, weight_quant: str, device: torch.device) -
         return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear: qconfig}, dtype=torch.qint8)
 
 
+def pick_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """The dtype, and why: `auto` takes bfloat16 where it is native (the CPU's AVX512-BF16 or AMX,
+    or a CUDA device that has it), float32 elsewhere, where bf16 would be emulated."""
+    if name != "auto":
+        return DTYPES[name], "asked"
+    if device.type == "cuda":
+        return (torch.bfloat16, "CUDA bf16") if torch.cuda.is_bf16_supported() else (torch.float16, "CUDA fp16")
+    from ..cpu import bf16_native
+
+    isa = bf16_native()
+    return (torch.bfloat16, f"auto: {isa}") if isa else (torch.float32, "auto: no native bf16 on this CPU")
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -38,7 +51,8 @@ def pick_device(name: str) -> torch.device:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, num_blocks: int) -> None:
-        self.device, self.dtype = pick_device(config.device), DTYPES[config.dtype]
+        self.device = pick_device(config.device)
+        self.dtype, self.dtype_reason = pick_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         cfg = loaded.config
         with torch.device("meta"):
