@@ -3,12 +3,14 @@
 The bound is what any exact implementation must do for one decode step: the model's weight
 GEMMs at batch B, plus one exact attention pass over the same KV laid out contiguously.
 Usage: python benchmarks/decode_step.py [--batch 32] [--context 512] [--steps 20] [--attention auto|native|torch]
-       [--weight-quant none|int8]
+       [--weight-quant none|int8] [--dtype auto|float32|bfloat16] [--profile]
+--profile prints where a decode step's time goes, by operator (torch.profiler).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -53,17 +55,18 @@ def bound_ms(engine: LLMEngine, batch: int, context: int, repeat: int) -> tuple[
     return timed(gemms, repeat) * 1000, timed(attention, repeat) * 1000
 
 
-def decode_step_ms(engine: LLMEngine, batch: int, context: int, steps: int) -> float:
+def decode_step_ms(engine: LLMEngine, batch: int, context: int, steps: int, around=None) -> float:
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"r{i}", [(i * 131 + j * 7) % 40000 + 100 for j in range(context)], params)
     sched = engine.scheduler
     while sched.waiting or any(s.num_output_tokens == 0 for s in sched.running):
         engine.step()  # prefill everything first
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    elapsed = (time.perf_counter() - start) / steps * 1000
+    with around or contextlib.nullcontext():  # the decode steps alone
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        elapsed = (time.perf_counter() - start) / steps * 1000
     for i in range(batch):
         engine.abort(f"r{i}")
     return elapsed
@@ -76,14 +79,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--attention", default="auto", help="auto | native | torch")
     parser.add_argument("--weight-quant", default="none", help="none | int8 (the bound then uses int8 GEMMs too)")
+    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
+    parser.add_argument("--profile", action="store_true", help="the top operators of the timed steps")
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig(kv_cache_tokens=args.batch * (args.context + args.steps + 32),
-                                    attention=args.attention, weight_quant=args.weight_quant))
-    step = decode_step_ms(engine, args.batch, args.context, args.steps)
+                                    attention=args.attention, weight_quant=args.weight_quant, dtype=args.dtype))
+    if args.profile:
+        profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        step = decode_step_ms(engine, args.batch, args.context, args.steps, profile)
+        print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    else:
+        step = decode_step_ms(engine, args.batch, args.context, args.steps)
     gemm, attention = bound_ms(engine, args.batch, args.context, args.steps)
     bound = gemm + attention
     kind = "native kernel" if engine.runner.use_kernel else "PyTorch gather + SDPA"
-    print(f"decode step ({kind}), batch {args.batch}, context {args.context}: {step:.1f} ms")
+    print(f"decode step ({kind}, {engine.runner.dtype}), batch {args.batch}, context {args.context}: {step:.1f} ms")
     print(f"bound: bare GEMMs {gemm:.1f} ms + contiguous attention {attention:.1f} ms = {bound:.1f} ms")
     print(f"ratio: {step / bound:.2f}x")
 
