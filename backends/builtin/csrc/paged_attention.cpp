@@ -44,18 +44,26 @@ static void attend(const float* q, const scalar_t* key_cache, const scalar_t* va
   const int64_t len = position + 1, group = heads / kv_heads, slot_stride = kv_heads * D;
   const int64_t blocks = (len + block_size - 1) / block_size;
   scores.resize(heads * len);
-  // Pass 1: scores, every head of a slot at once (the slot's rows are contiguous).
+  // Pass 1: scores, every head of a slot at once (the slot's rows are contiguous). Each KV head's
+  // row is widened to float32 once, in its own vectorized loop, for the query heads that share it
+  // (converting inside the dot product kept bf16 from vectorizing: twice float32's time).
+  float row[D];
   for (int64_t b = 0, j = 0; b < blocks; ++b) {
     const scalar_t* k_block = key_cache + table[b] * block_size * slot_stride;
     for (int64_t i = 0; i < block_size && j < len; ++i, ++j) {
       const float* k_scale = k_scales ? k_scales + (table[b] * block_size + i) * kv_heads : nullptr;
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* qh = q + h * D;
-        const scalar_t* k = k_block + i * slot_stride + (h / group) * D;
-        float acc = 0.f;
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        const scalar_t* k = k_block + i * slot_stride + g * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(k[d]);
+        const float row_scale = scale * (k_scale ? k_scale[g] : 1.f);
+        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+          const float* qh = q + h * D;
+          float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-        for (int64_t d = 0; d < D; ++d) acc += qh[d] * static_cast<float>(k[d]);
-        scores[h * len + j] = acc * scale * (k_scale ? k_scale[h / group] : 1.f);
+          for (int64_t d = 0; d < D; ++d) acc += qh[d] * row[d];
+          scores[h * len + j] = acc * row_scale;
+        }
       }
     }
   }
