@@ -83,6 +83,28 @@ class Workload:
             raise ImpossibleRequest("; ".join(problems))
 
 
+def _check_fits(model: ModelSpec, gpus: int, workload: Workload, derates: Derates) -> None:
+    """What no runtime could serve, said with the nearest valid choice."""
+    total = workload.prompt_tokens + workload.output_tokens
+    if model.max_context and total > model.max_context:
+        room = model.max_context - workload.output_tokens
+        raise ImpossibleRequest(
+            f"--prompt-tokens {workload.prompt_tokens} + --output-tokens {workload.output_tokens} = {total} exceed "
+            f"{model.id}'s context of {model.max_context} tokens"
+            + (f"; with {workload.output_tokens} output tokens, at most {room} prompt tokens" if room > 0 else ""))
+    heads = model.attention_dim // model.arch.head_dim if model.arch.head_dim else 0
+    if gpus > 1 and heads and heads % gpus:
+        valid = [n for n in range(1, heads + 1) if heads % n == 0]
+        nearest = sorted(valid, key=lambda n: (abs(n - gpus), n))[:2]
+        raise ImpossibleRequest(f"--gpus {gpus}: tensor parallelism splits {model.id}'s {heads} attention heads "
+                                f"evenly across the devices; use {' or '.join(map(str, sorted(nearest)))} "
+                                f"(divisors of {heads}: {', '.join(map(str, valid))})")
+    for name, value in (("bandwidth", derates.bandwidth), ("prefill", derates.prefill_compute),
+                        ("decode", derates.decode_compute)):
+        if not 0 < value <= 1:
+            raise ImpossibleRequest(f"--derate-{name} {value:g}: a share of the datasheet peak, in (0, 1]")
+
+
 @dataclass
 class Candidate:
     runtime: str
@@ -118,6 +140,7 @@ def advise(model: ModelSpec, hardware: Hardware, gpus: int, workload: Workload, 
         raise ImpossibleRequest("--gpus must be at least 1")
     if not hardware.gpu and gpus > 1:
         raise ImpossibleRequest(f"{hardware.id} is one machine: --gpus applies to accelerators only")
+    _check_fits(model, gpus, workload, derates)
     ruleset = rules.named("advisor")
     chosen = matrices()
     unknown = set(runtimes or ()) - set(chosen)

@@ -29,7 +29,7 @@ def advise_command(
                                                    "config.json, model directory or .gguf file.")] = None,
     hardware: Annotated[str, typer.Option(help="Catalogue id (h100-sxm, h200, a100-80gb, l4, mi300x, m3-max, "
                                                "cpu-x86, ...) or `local` to measure this machine.")] = "local",
-    gpus: Annotated[int, typer.Option(help="Devices, split by tensor parallelism.")] = 1,
+    gpus: Annotated[int, typer.Option(help="Devices, split by tensor parallelism.", min=1)] = 1,
     workload: Annotated[str, typer.Option(help="chat | agent | batch | rag")] = "chat",
     prompt_tokens: Annotated[int, typer.Option()] = 1024,
     output_tokens: Annotated[int, typer.Option()] = 256,
@@ -80,6 +80,9 @@ def advise_command(
         raise typer.BadParameter(f"{output_format!r}: md, html or json", param_hint="--format")
     if model is None:
         raise typer.BadParameter("a model is required (a catalogue id or a local path)", param_hint="--model")
+    for flag, value in (("--tflops", tflops), ("--bandwidth-gbs", bandwidth_gbs)):
+        if value is not None and value <= 0:
+            raise typer.BadParameter(f"{value:g}: a device's figure must be positive", param_hint=flag)
     if trace is not None:
         prompt_tokens, output_tokens = _trace_sizes(trace)
     try:

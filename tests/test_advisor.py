@@ -353,3 +353,25 @@ def test_measure_config_turns_servegate_yaml_backends_into_candidates(tmp_path):
     result = CliRunner().invoke(app, ["advise", "--model", "Qwen/Qwen3-32B", "--hardware", "h100-sxm",
                                       "--measure-config", str(config)])
     assert result.exit_code == 2 and "no remote backend of a ranked runtime" in result.output
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--model", "meta-llama/Llama-3.1-8B-Instruct", "--prompt-tokens", "300000"],
+     "exceed meta-llama/Llama-3.1-8B-Instruct's context of 131072 tokens"),
+    (["--model", "meta-llama/Llama-3.1-70B-Instruct", "--gpus", "3"], "64 attention heads evenly across the "
+                                                                       "devices; use 2 or 4"),
+    (["--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpus", "64"], "use 16 or 32"),
+    (["--model", "meta-llama/Llama-3.1-8B-Instruct", "--bandwidth-gbs", "-5"], "--bandwidth-gbs"),
+    (["--model", "meta-llama/Llama-3.1-8B-Instruct", "--tflops", "-1"], "--tflops"),
+    (["--model", "meta-llama/Llama-3.1-8B-Instruct", "--derate-bandwidth", "0"], "--derate-bandwidth 0: a share"),
+    (["--model", "meta-llama/Llama-3.1-8B-Instruct", "--derate-decode", "1.5"], "--derate-decode 1.5"),
+])
+def test_inputs_no_runtime_could_serve_exit_2_naming_the_problem(args, says):
+    """Each of these was accepted (recommending a TP size vLLM refuses, a prompt past the model's
+    context) or died in a ZeroDivisionError traceback."""
+    hardware_args = ["--hardware", "h100-sxm"] if "--gpus" in args or "--prompt-tokens" in args else \
+        ["--hardware", "l4"]
+    result = CliRunner().invoke(app, ["advise", *hardware_args, *args])
+    output = " ".join(result.output.split())
+    assert result.exit_code == 2 and says in output, output
+    assert "Traceback" not in output and not isinstance(result.exception, ZeroDivisionError)
