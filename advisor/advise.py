@@ -9,6 +9,7 @@ replaces them with `servegate bench` figures."""
 
 from __future__ import annotations
 
+import math
 import shlex
 from dataclasses import asdict, dataclass, field
 
@@ -302,10 +303,17 @@ def _estimates(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
         return roof.decode_step(active_bytes, batch * mean_context * kv_total, model.params_active, batch)
 
     concurrency = workload.concurrency
-    if workload.request_rate:  # Little's law: requests in flight = rate x time each spends
+    # What one deployment finishes per second at its largest batch: a rate beyond it queues
+    # without bound, so it needs more replicas rather than a Little's-law fixed point.
+    most = max(1, plan.max_sequences)
+    capacity = most / ((ttft or 0) + workload.output_tokens * tpot(most))
+    replicas = math.ceil(workload.request_rate / capacity) if workload.request_rate else 1
+    if workload.request_rate and replicas == 1:  # Little's law: requests in flight = rate x time each spends
         for _ in range(20):
             e2e = (ttft or 0) + workload.output_tokens * tpot(max(1, concurrency))
-            concurrency = max(1, round(workload.request_rate * e2e))
+            concurrency = min(most, max(1, round(workload.request_rate * e2e)))
+    elif workload.request_rate:
+        concurrency = most
     batch = max(1, min(concurrency, plan.max_sequences))
     slo_batch = _largest(lambda b: tpot(b) * 1000 <= workload.slo_tpot_ms, plan.max_sequences)
     meets_ttft = ttft is not None and ttft * 1000 <= workload.slo_ttft_ms
@@ -314,10 +322,12 @@ def _estimates(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
         goodput = slo_batch / (ttft + workload.output_tokens * tpot(slo_batch))
     return {
         "ttft_ms": ttft * 1000 if ttft is not None else None, "tpot_ms": tpot(batch) * 1000,
-        "batch": batch, "queued": max(0, concurrency - plan.max_sequences),
+        "batch": batch, "queued": max(0, concurrency - plan.max_sequences) if replicas == 1 else None,
+        "capacity_requests_per_s": capacity, "replicas_needed": replicas,
         "decode_tokens_per_s_single": 1 / tpot(1), "throughput_tokens_per_s": batch / tpot(batch),
         "max_batch_within_tpot_slo": slo_batch, "goodput_requests_per_s": goodput,
-        "meets_slo": None if ttft is None else bool(meets_ttft and tpot(batch) * 1000 <= workload.slo_tpot_ms),
+        "meets_slo": None if ttft is None else bool(replicas == 1 and meets_ttft
+                                                    and tpot(batch) * 1000 <= workload.slo_tpot_ms),
         "prefilled_prompt_tokens": prompt, "flops_known": tflops is not None,
     }
 

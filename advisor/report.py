@@ -57,6 +57,10 @@ def to_markdown(report: Report) -> str:
                 if cell else ""
             kind = f"{r['kind']} {r['score']:+g}" if r["kind"] == "score" else r["kind"]
             lines.append(f"- [{kind}] `{r['rule']}`: {r['reason']}{cite}")
+        if c.estimates.get("replicas_needed", 1) > 1:
+            lines.append(f"- {report.workload['request_rate']:g} req/s is beyond one deployment's "
+                         f"{c.estimates['capacity_requests_per_s']:.2f} req/s: it needs "
+                         f"{c.estimates['replicas_needed']} replicas of this one")
         if c.measured and c.measured.get("off_by"):
             lines.append(f"- measured goodput {c.measured['request_goodput']:.2f} req/s: the estimate was off by "
                          f"{c.measured['off_by']:.0%}" + (" (more than 30%: trust the measurement)"

@@ -375,3 +375,21 @@ def test_inputs_no_runtime_could_serve_exit_2_naming_the_problem(args, says):
     output = " ".join(result.output.split())
     assert result.exit_code == 2 and says in output, output
     assert "Traceback" not in output and not isinstance(result.exception, ZeroDivisionError)
+
+
+def test_a_request_rate_beyond_capacity_asks_for_replicas_instead_of_diverging():
+    """`--request-rate 1000` iterated Little's law past capacity and reported ~2e25 requests queued
+    with `meets_slo: true`."""
+    load = Workload(request_rate=1000, prompt_tokens=512, output_tokens=128)
+    report = advise(resolve("meta-llama/Llama-3.1-8B-Instruct"), hardware("l4"), 1, load)
+    viable = [c for c in report.candidates if c.estimates]
+    assert viable
+    for c in viable:
+        e = c.estimates
+        assert e["replicas_needed"] == -(-1000 // e["capacity_requests_per_s"]) > 1
+        assert e["queued"] is None and e["meets_slo"] is False and e["batch"] <= c.memory["max_sequences"]
+    assert "replicas of this one" in to_markdown(report)
+    modest = advise(resolve("meta-llama/Llama-3.1-8B-Instruct"), hardware("l4"), 1,
+                    Workload(request_rate=0.05, prompt_tokens=512, output_tokens=128))
+    assert all(c.estimates["replicas_needed"] == 1 and c.estimates["queued"] == 0
+               for c in modest.candidates if c.estimates)
