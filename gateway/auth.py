@@ -69,8 +69,9 @@ class Principal:
     def key_prefix(self) -> str | None:
         return self.key.prefix if self.key else None
 
-    def administers(self, tenant: str) -> bool:
-        return "operator" in self.scopes or ("admin" in self.scopes and tenant == self.tenant.name)
+    @property
+    def operator(self) -> bool:
+        return "operator" in self.scopes
 
     def may_use(self, model: str) -> bool:
         return not self.tenant.models or model in self.tenant.models

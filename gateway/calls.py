@@ -83,9 +83,9 @@ class Outcome:
     finished_at: datetime
     reservation: Reservation | None
     text: str = ""  # choice 0's text, kept when a shadow compares
-    # Unfinished streams' text that came without token ids, per choice: the gateway has it
-    # tokenized; `usage` holds an estimate until then.
-    recount: tuple[str, ...] = ()
+    # What an unfinished stream sent without token ids, for the gateway to have it tokenized;
+    # `usage` holds an estimate until then.
+    recount: Received | None = None
 
     @property
     def request_id(self) -> str:
@@ -119,7 +119,14 @@ class Received:
 
     def estimate(self) -> int:
         text_bytes = sum(len(piece.encode()) for pieces in self.texts.values() for piece in pieces)
-        return self.token_ids + max(self.pieces, math.ceil(text_bytes / BYTES_PER_TOKEN))
+        return self.counted(math.ceil(text_bytes / BYTES_PER_TOKEN))
+
+    def counted(self, text_tokens: int) -> int:
+        """Completion tokens once the text without ids is counted: never below one per piece."""
+        return self.token_ids + max(self.pieces, text_tokens)
+
+    def choice_texts(self) -> list[str]:
+        return ["".join(pieces) for pieces in self.texts.values()]
 
 
 class Call:
@@ -279,13 +286,13 @@ class Call:
 
     # -- after ------------------------------------------------------------------------------
     def _outcome(self, status: str, error: str | None, reported: Usage | None) -> Outcome:
-        received, recount = self.received, ()
+        received, recount = self.received, None
         if reported is not None:  # the backend's own count where it says more than the client got
             usage = Usage(reported.prompt_tokens or self.prompt_tokens,
                           max(reported.completion_tokens, received.floor), reported.cached_tokens)
         else:
             usage = Usage(self.prompt_tokens, received.estimate())
-            recount = tuple("".join(received.texts[i]) for i in sorted(received.texts))
+            recount = received if received.texts else None
         return Outcome(
             request=self.greq, principal=self.principal, decision=self.decision, api=self.api,
             stream=self.stream, status=status, error=error, usage=usage,

@@ -86,13 +86,15 @@ async def _settled(gateway: Gateway, call: Call, first: Event, events: AsyncIter
 
 @dataclass
 class Collected:
-    texts: dict[int, list[str]] = field(default_factory=dict)
-    extras: dict[int, list[dict]] = field(default_factory=dict)  # Delta.extra, in order
     deltas: list[Delta] = field(default_factory=list)
     finish: Finish | None = None
 
     def text(self, index: int) -> str:
-        return "".join(self.texts.get(index, ()))
+        return "".join(d.text for d in self.deltas if d.index == index)
+
+    def extras(self, index: int) -> list[dict]:
+        """Choice `index`'s pass-through fields (`Delta.extra`), in order."""
+        return [d.extra for d in self.deltas if d.index == index and d.extra]
 
 
 async def collect(started: Started, request: Request) -> Collected:
@@ -103,9 +105,6 @@ async def collect(started: Started, request: Request) -> Collected:
         async for event in started.events:
             if isinstance(event, Delta):
                 result.deltas.append(event)
-                result.texts.setdefault(event.index, []).append(event.text)
-                if event.extra:
-                    result.extras.setdefault(event.index, []).append(event.extra)
             else:
                 result.finish = event
         return result

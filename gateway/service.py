@@ -105,7 +105,7 @@ class Gateway:
     def _record(self, outcome: Outcome) -> None:
         """Text that came without token ids from a stream that never finished is tokenized first
         (in the background: the client is gone or failed already)."""
-        if outcome.recount:
+        if outcome.recount is not None:
             self.spawn(self._settle_recounted(outcome))
             return
         tenant, model, usage = outcome.principal.tenant.name, outcome.decision.model, outcome.usage
@@ -123,8 +123,10 @@ class Gateway:
         self.canary.observe(outcome.decision, outcome.status, outcome.ttft_ms, outcome.latency_ms,
                             usage.completion_tokens)
         mirrored = self._shadows.pop(outcome.request_id, None)
-        if mirrored is not None:
-            self._compare(outcome, mirrored)
+        if mirrored is not None and outcome.status == "ok":  # both answers side by side
+            self.spawn(shadow.record(self.db, outcome, mirrored))
+        elif mirrored is not None:  # a failed or abandoned primary has nothing to compare with
+            mirrored.cancel()
         m = self.metrics
         m.requests.labels(tenant, model, outcome.backend, outcome.status).inc()
         m.e2e.labels(model).observe(outcome.latency_ms / 1000)
@@ -147,17 +149,9 @@ class Gateway:
         with contextlib.suppress(Exception):  # the estimate stands
             if backend is not None and (await backend.capabilities()).tokenize:
                 async with asyncio.timeout(RECOUNT_TIMEOUT_S):
-                    counts = [len(await backend.tokenize(text)) for text in outcome.recount]
-                usage = dataclasses.replace(usage, completion_tokens=max(sum(counts), len(outcome.recount)))
-        self._record(dataclasses.replace(outcome, usage=usage, recount=()))
-
-    def _compare(self, primary: Outcome, mirrored: asyncio.Task) -> None:
-        """The shadow's answer beside the primary's; a failed or abandoned primary has nothing to
-        compare with, so its shadow is dropped."""
-        if primary.status != "ok":
-            mirrored.cancel()
-            return
-        self.spawn(shadow.record(self.db, primary, mirrored))
+                    counts = [len(await backend.tokenize(text)) for text in outcome.recount.choice_texts()]
+                usage = dataclasses.replace(usage, completion_tokens=outcome.recount.counted(sum(counts)))
+        self._record(dataclasses.replace(outcome, usage=usage, recount=None))
 
     # -- routes -------------------------------------------------------------------------------
     def load_routes(self) -> None:

@@ -379,3 +379,15 @@ def test_unknown_fields_never_reach_an_upstream_unless_its_backend_takes_them(tm
     custom = remote("http://127.0.0.1:9")
     custom.config.extra_fields = ["house_knob"]
     assert custom.admit_extras(GenerateRequest("r", prompt="hi", extra={"house_knob": 1})).extra == {"house_knob": 1}
+
+
+def test_a_recounted_stream_is_never_billed_below_one_token_per_piece():
+    from backends.base import Delta
+    from gateway.calls import Received
+
+    received = Received()
+    for text in ("Hel", "lo", " world"):
+        received.add(Delta(0, text))
+    received.add(Delta(0, "!", (7, 8)))  # ids where the backend gives them
+    assert received.choice_texts() == ["Hello world"] and received.floor == 5
+    assert received.counted(1) == 5 and received.counted(4) == 6  # the tokenizer's count, floored by the pieces

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .loader import gguf_field
+
 # GPT-2's pattern, as llama.cpp spells it.
 GPT2 = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)"
 LLAMA3 = ("(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?"
@@ -32,23 +34,19 @@ IGNORE_MERGES = {"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "tekke
 CONTROL, USER_DEFINED = 3, 4  # llama_token_type
 
 
-def _field(reader, name: str, default=None):
-    field = reader.fields.get(name)
-    return default if field is None else field.contents()
-
-
 def buildable(reader) -> bool:
-    return _field(reader, "tokenizer.ggml.model") == "gpt2" and _field(reader, "tokenizer.ggml.pre") in PRE_TOKENIZERS
+    return (gguf_field(reader, "tokenizer.ggml.model") == "gpt2"
+            and gguf_field(reader, "tokenizer.ggml.pre") in PRE_TOKENIZERS)
 
 
 def write(reader, directory: Path, max_length: int) -> None:
     """`tokenizer.json`, `tokenizer_config.json` and `special_tokens_map.json` for the GGUF."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
-    types: list[int] = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
-    pre = _field(reader, "tokenizer.ggml.pre")
+    tokens: list[str] = gguf_field(reader, "tokenizer.ggml.tokens")
+    types: list[int] = gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges", [])]
+    pre = gguf_field(reader, "tokenizer.ggml.pre")
     vocab: dict[str, int] = {}
     for index, token in enumerate(tokens):
         vocab.setdefault(token, index)
@@ -61,13 +59,13 @@ def write(reader, directory: Path, max_length: int) -> None:
                                   for i, kind in enumerate(types) if kind in (CONTROL, USER_DEFINED)])
 
     def named(key: str) -> str | None:
-        index = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        index = gguf_field(reader, f"tokenizer.ggml.{key}_token_id")
         return tokens[index] if index is not None and 0 <= index < len(tokens) else None
 
     special = {f"{key}_token": named(key) for key in ("bos", "eos", "unk")}
     special["pad_token"] = named("padding")
-    add_bos, add_eos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False)), \
-        bool(_field(reader, "tokenizer.ggml.add_eos_token", False))
+    add_bos, add_eos = bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)), \
+        bool(gguf_field(reader, "tokenizer.ggml.add_eos_token", False))
     single = ["$A"]
     if add_bos and special["bos_token"]:
         single.insert(0, special["bos_token"])
@@ -85,7 +83,7 @@ def write(reader, directory: Path, max_length: int) -> None:
         "tokenizer_class": "PreTrainedTokenizerFast", **present, "add_bos_token": add_bos, "add_eos_token": add_eos,
         "clean_up_tokenization_spaces": False, "model_max_length": max_length,
     }
-    template = _field(reader, "tokenizer.chat_template")
+    template = gguf_field(reader, "tokenizer.chat_template")
     if template:
         config["chat_template"] = template
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))

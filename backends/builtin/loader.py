@@ -123,7 +123,8 @@ def _write_tokenizer(path: Path, directory: Path, max_length: int) -> None:
         load_tokenizer(path.parent, gguf_file=path.name).save_pretrained(directory)
 
 
-def _field(reader, name: str, default=None):
+def gguf_field(reader, name: str, default=None):
+    """A GGUF metadata value, or `default` where the file has none."""
     field = reader.fields.get(name)
     return default if field is None else field.contents()
 
@@ -134,17 +135,17 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
     reader = GGUFReader(path)
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported by the built-in engine")
 
     def meta(key, default=None):
-        return _field(reader, f"{arch}.{key}", default)
+        return gguf_field(reader, f"{arch}.{key}", default)
 
     heads, kv_heads = meta("attention.head_count"), meta("attention.head_count_kv") or meta("attention.head_count")
     hidden = meta("embedding_length")
     tensors = {t.name: t for t in reader.tensors}
-    vocab = meta("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    vocab = meta("vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens"))
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": vocab, "hidden_size": hidden,
@@ -155,8 +156,8 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         "rms_norm_eps": meta("attention.layer_norm_rms_epsilon"),
         "rope_theta": meta("rope.freq_base", 10000.0),
         "tie_word_embeddings": "output.weight" not in tensors,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": gguf_field(reader, "tokenizer.ggml.eos_token_id"),
     }
     if meta("rope.scaling.type") == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": meta("rope.scaling.factor")}

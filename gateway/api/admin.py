@@ -35,23 +35,22 @@ def _changed(gateway: Gateway) -> None:
     gateway.directory.load()  # this replica sees the change now, the others at their next refresh
 
 
+def _reach(admin: Principal) -> str | None:
+    """The one tenant a tenant's administrator reaches; None: an operator reaches them all."""
+    return None if admin.operator else admin.tenant.name
+
+
 def _own(admin: Principal, tenant: str | None) -> str | None:
-    """The tenant a request may look at: any (None: all) for an operator, only its own for a
-    tenant's administrator."""
-    if "operator" in admin.scopes:
-        return tenant
-    if tenant is not None and tenant != admin.tenant.name:
+    """The tenant a request may look at (None: all); another's name is not found."""
+    mine = _reach(admin)
+    if mine is not None and tenant not in (None, mine):
         raise tenancy.NotFound(f"no tenant named {tenant!r}")
-    return admin.tenant.name
-
-
-def _within(admin: Principal) -> str | None:
-    return None if "operator" in admin.scopes else admin.tenant.name
+    return tenant if mine is None else mine
 
 
 @router.get("/tenants", response_model=list[TenantOut])
 def list_tenants(admin: AdminPrincipal, session: SessionDep):
-    mine = _own(admin, None)
+    mine = _reach(admin)
     return [t for t in tenancy.list_tenants(session) if mine is None or t.name == mine]
 
 
@@ -83,21 +82,21 @@ def list_keys(admin: AdminPrincipal, session: SessionDep, tenant: str | None = N
 @router.post("/keys", response_model=KeyCreated, status_code=201)
 def create_key(body: KeyIn, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep):
     _own(admin, body.tenant)
-    key = tenancy.create_key(session, admin.subject, body, operator="operator" in admin.scopes)
+    key = tenancy.create_key(session, admin.subject, body, operator=admin.operator)
     _changed(gateway)
     return key
 
 
 @router.post("/keys/{prefix}/revoke", response_model=KeyOut)
 def revoke_key(prefix: str, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep):
-    key = tenancy.revoke_key(session, admin.subject, prefix, _within(admin))
+    key = tenancy.revoke_key(session, admin.subject, prefix, _reach(admin))
     _changed(gateway)
     return key
 
 
 @router.post("/keys/{prefix}/rotate", response_model=KeyCreated)
 def rotate_key(prefix: str, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep):
-    key = tenancy.rotate_key(session, admin.subject, prefix, _within(admin))
+    key = tenancy.rotate_key(session, admin.subject, prefix, _reach(admin))
     _changed(gateway)
     return key
 

@@ -143,7 +143,7 @@ class Responder:
     def full(self, result: Collected, n: int) -> dict:
         finish = result.finish
         choices = [self._choice(i, result.text(i), finish.finish_reasons[i], chunk=False,
-                                extra=merge_extras(result.extras.get(i, []))) for i in range(n)]
+                                extra=merge_extras(result.extras(i))) for i in range(n)]
         return self._envelope(choices, chunk=False) | {"usage": usage_json(finish.usage)}
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
