@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import shlex
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from backends.runtimes import serving
 from policies import rules
@@ -26,6 +26,7 @@ from .capacity import (
     bits_per_weight,
     kv_bytes_per_token,
     memory_plan,
+    tensor_parallel_seconds,
 )
 from .hardware import Hardware
 from .models import ModelSpec
@@ -38,7 +39,11 @@ KV_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "nvfp4": "fp4", "fp4_
 WEIGHT_KEYS = {"fp32": "bf16", "fp16": "bf16", "bf16": "bf16", "fp8": "fp8", "awq": "awq", "gptq": "gptq",
                "int8": "int8_w8a8", "int8_w8a8": "int8_w8a8", "bitsandbytes": "bitsandbytes", "nvfp4": "nvfp4",
                "mxfp4": "mxfp4", "exl2": "exl2", "gguf": "gguf"}
+REQUIREMENTS = ("structured_output", "multi_lora", "speculative_decoding")  # Workload flags = matrix features
 VERDICT_ORDER = {"recommended": 0, "viable": 1, "excluded": 2}
+# Scores closer than this tie: goodput adds up to 3 points, so 0.3 is 10% of the best estimated
+# goodput, finer than a roofline estimate resolves.
+SCORE_TIE = 0.3
 
 
 class ImpossibleRequest(ValueError):
@@ -60,7 +65,10 @@ class Workload:
     new_deployment: bool = True
     existing_tgi: bool = False
     offline: bool = False
-    expert_parallel: bool | None = None  # None: required for wide MoE models across 8+ devices
+    expert_parallel: bool = False  # serve the experts expert-parallel: runtimes without it are excluded
+    structured_output: bool = False  # requirements: runtimes without the feature are excluded
+    multi_lora: bool = False
+    speculative_decoding: bool = False
 
     def check(self) -> None:
         problems = [message for bad, message in (
@@ -128,13 +136,16 @@ class Report:
     assumptions: dict
     candidates: list[Candidate]
     summary: str
+    notes: list[str] = field(default_factory=list)  # ties, and leads that rest on unverified cells
+    alternatives: list[dict] = field(default_factory=list)  # when no runtime meets the SLO: what would, estimated
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def advise(model: ModelSpec, hardware: Hardware, gpus: int, workload: Workload, derates: Derates | None = None,
-           runtimes: list[str] | None = None) -> Report:
+           runtimes: list[str] | None = None, explore: bool = True) -> Report:
+    """The report; `explore` also estimates the alternatives when no runtime meets the SLO."""
     workload.check()
     derates = derates or default_derates(hardware)
     if gpus < 1:
@@ -147,18 +158,60 @@ def advise(model: ModelSpec, hardware: Hardware, gpus: int, workload: Workload, 
     unknown = set(runtimes or ()) - set(chosen)
     if unknown:
         raise ImpossibleRequest(f"unknown runtimes {sorted(unknown)}: choose from {', '.join(chosen)}")
-    if workload.expert_parallel is None:  # wide MoE across a node: the guides serve it with expert parallelism
-        workload.expert_parallel = model.moe and model.params_total > 200e9 and gpus >= 8
     candidates = [_candidate(m, model, hardware, gpus, workload, derates, ruleset)
                   for runtime, m in chosen.items() if not runtimes or runtime in runtimes]
-    _rank(candidates)
-    summary = _summary(candidates)
-    if not any(c.verdict != "excluded" for c in candidates) and any(
-            r["rule"] == "does-not-fit" for c in candidates for r in c.reasons):
-        summary += " " + _what_would_fit(chosen["vllm"], model, hardware, gpus, workload)
+    notes = _rank(candidates)
+    summary = _summary(candidates, workload)
+    viable = [c for c in candidates if c.verdict != "excluded"]
+    if not viable and any(r["rule"] == "does-not-fit" for c in candidates for r in c.reasons):
+        summary += " " + _what_would_fit(chosen, model, hardware, gpus, workload)
+    alternatives = []
+    if explore and viable and not any(c.verdict == "recommended" for c in viable):
+        alternatives = _alternatives(model, hardware, gpus, workload, derates, runtimes, viable)
+        summary += " " + "; ".join(
+            f"{a['change']}: {a['runtime']} at {a['goodput_requests_per_s']:.2f} req/s" if a["meets_slo"] else
+            f"{a['change']}: still none" for a in alternatives) + "."
     return Report(model=_model_facts(model), hardware=asdict(hardware) | {"gpus": gpus},
                   workload=asdict(workload), assumptions=asdict(derates) | _memory_assumptions(hardware),
-                  candidates=candidates, summary=summary)
+                  candidates=candidates, summary=summary, notes=notes, alternatives=alternatives)
+
+
+def _alternatives(model: ModelSpec, hw: Hardware, gpus: int, workload: Workload, derates: Derates,
+                  runtimes: list[str] | None, viable: list[Candidate]) -> list[dict]:
+    """What would meet the SLO, each estimated by the same model: lighter weights, more devices
+    of this kind, or the SLO the fastest candidate reaches at this load."""
+    tries = []
+    fmt = (workload.weight_quant or model.checkpoint_format).lower()
+    for lighter in ("fp8", "awq"):
+        if bits_per_weight(lighter) < bits_per_weight(fmt):
+            tries.append((f"--weight-quant {lighter}", gpus, replace(workload, weight_quant=lighter)))
+    if hw.gpu:
+        tries += [(f"--gpus {more}", more, workload) for more in (2 * gpus, 4 * gpus)]
+    fastest = min(viable, key=lambda c: c.estimates["tpot_ms"])
+    ttft, tpot = fastest.estimates["ttft_ms"], fastest.estimates["tpot_ms"]
+    if ttft is not None:
+        looser = replace(workload, slo_ttft_ms=max(workload.slo_ttft_ms, _round_up(ttft * 1.1)),
+                         slo_tpot_ms=max(workload.slo_tpot_ms, _round_up(tpot * 1.1)))
+        tries.append((f"--slo-ttft-ms {looser.slo_ttft_ms:g} --slo-tpot-ms {looser.slo_tpot_ms:g}", gpus, looser))
+    found = []
+    for change, devices, changed in tries:
+        try:
+            report = advise(model, hw, devices, changed, derates, runtimes, explore=False)
+        except ImpossibleRequest:  # e.g. a device count the attention heads do not divide
+            continue
+        best = max((c for c in report.candidates if c.verdict != "excluded"),
+                   key=lambda c: c.estimates.get("goodput_requests_per_s") or 0.0, default=None)
+        goodput = (best.estimates.get("goodput_requests_per_s") or 0.0) if best else 0.0
+        found.append({"change": change, "runtime": best.name if best else None, "goodput_requests_per_s": goodput,
+                      "meets_slo": goodput > 0, "ttft_ms": best.estimates.get("ttft_ms") if best else None,
+                      "tpot_ms": best.estimates.get("tpot_ms") if best else None})
+    return found
+
+
+def _round_up(value: float) -> float:
+    """Up to two significant figures: an SLO a person would write."""
+    scale = 10 ** max(0, math.floor(math.log10(value)) - 1)
+    return math.ceil(value / scale) * scale
 
 
 def default_derates(hardware: Hardware) -> Derates:
@@ -167,18 +220,26 @@ def default_derates(hardware: Hardware) -> Derates:
     return Derates(bandwidth=1.0) if hardware.measured else Derates()
 
 
-def _what_would_fit(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: Workload) -> str:
-    """The nearest change that fits: more devices of this kind, or fewer bits per weight."""
+def _what_would_fit(chosen: dict[str, Matrix], model: ModelSpec, hw: Hardware, gpus: int,
+                    workload: Workload) -> str:
+    """The nearest changes that fit: more devices of this kind, and fewer bits per weight in a
+    format some runtime loads on this hardware."""
+    m = chosen["vllm"]
     fmt = (workload.weight_quant or model.checkpoint_format).lower()
+    fixes = []
     if hw.gpu:
-        for more in (2, 4, 8, 16, 32, 64):
-            if more > gpus and _memory(m, model, hw, more, workload, fmt, m.memory.kv_dtype).fits:
-                return f"It fits from {more} x {hw.id} (or on devices with more memory, e.g. h200 or b200)."
-    for smaller in ("fp8", "Q4_K_M"):
-        if bits_per_weight(smaller) < bits_per_weight(fmt) and _memory(
+        more = next((n for n in (2, 4, 8, 16, 32, 64)
+                     if n > gpus and _memory(m, model, hw, n, workload, fmt, m.memory.kv_dtype).fits), None)
+        if more:
+            fixes.append(f"it fits from {more} x {hw.id} (or on devices with more memory, e.g. h200 or b200)")
+    for smaller in ("fp8", "awq", "Q4_K_M"):
+        loaders = [x.name for x in chosen.values() if _weight_cell(x, smaller.lower(), hw).status == "yes"]
+        if loaders and bits_per_weight(smaller) < bits_per_weight(fmt) and _memory(
                 m, model, hw, gpus, workload, smaller, m.memory.kv_dtype).fits:
-            return f"With {smaller} weights (--weight-quant {smaller}) it would fit on this hardware."
-    return "Nothing nearby fits: choose larger hardware."
+            fixes.append(f"with {smaller} weights (--weight-quant {smaller}; {', '.join(loaders)} load them here) it "
+                         f"fits on {gpus} x {hw.id}")
+            break
+    return ("Nearest fixes: " + "; ".join(fixes) + ".") if fixes else "Nothing nearby fits: choose larger hardware."
 
 
 def _candidate(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: Workload, derates: Derates,
@@ -202,6 +263,7 @@ def _candidate(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
             "prefix_caching_default": bool(m.features["prefix_caching"].default),
             "continuous_batching": m.features["continuous_batching"].status,
             "tensor_parallel": m.features["tensor_parallel"].status,
+            **{need: m.features[need].status for need in REQUIREMENTS},
         },
         "model": {"id": model.id, "architecture": model.architecture or "unknown", "moe": model.moe,
                   "params_b": model.params_total / 1e9},
@@ -229,7 +291,7 @@ def _candidate(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
         "kv_budget_gib": plan.kv_budget / GIB, "kv_bytes_per_token": plan.kv_bytes_per_token * gpus,
         "kv_bytes_per_token_per_device": plan.kv_bytes_per_token, "kv_tokens": plan.kv_tokens,
         "max_sequences": plan.max_sequences, "context": plan.context, "weight_format": weight_format,
-        "kv_dtype": kv_key, "fraction_of": m.memory.fraction_of, "fraction": m.memory.default_fraction,
+        "kv_dtype": kv_key, "fraction_of": m.memory.fraction_of, "fraction": m.memory.fraction_for(hw.memory_gib, gpus),
         "fraction_status": m.memory.status,
         "features": sum(c.status == "yes" for k, c in m.features.items() if k != "needs_engine_build"),
     }
@@ -268,7 +330,7 @@ def _memory(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: Work
     capacity = hw.memory_gib * GIB
     held = m.memory.compute_dtype or fmt
     exact = model.weights_bytes if model.weights_bytes and held == model.checkpoint_format.lower() else None
-    weights = (exact or model.params_total * bits_per_weight(held) / 8) / gpus
+    weights = (exact or model.weight_bytes(held)) / gpus
     if hw.gpu:  # AIConfigurator's system files: 3.5 GB "other" plus NCCL buffers with tensor parallelism
         reserved = 3.5e9 + (0.4e9 if gpus > 1 else 0)
     else:  # tools.metakraftlabs.com: 0.8 GB plus 5% of the weights
@@ -276,7 +338,7 @@ def _memory(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: Work
     if m.memory.fraction_of == "none":
         capacity_used, fraction = capacity * hw.usable_share, None
     else:
-        capacity_used, fraction = capacity, m.memory.default_fraction
+        capacity_used, fraction = capacity, m.memory.fraction_for(hw.memory_gib, gpus)
     context = workload.prompt_tokens + workload.output_tokens
     per_token = kv_bytes_per_token(model.arch, kv_key if kv_key in KV_DTYPE_BYTES else "bf16", tp=gpus,
                                    context=context)
@@ -292,15 +354,24 @@ def _estimates(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
     # passes each token through the devices one after another, at one device's speed.
     parallel = gpus if m.features["tensor_parallel"].status == "yes" else 1
     roof = Roofline(hw.bandwidth_gbs * 1e9 * parallel, tflops * 1e12 * parallel if tflops else None, derates)
-    active_bytes = model.params_active * bits_per_weight(held) / 8
     caches = m.features["prefix_caching"].status == "yes"
     prompt = max(1, round(workload.prompt_tokens * (1 - workload.prefix_reuse))) if caches else workload.prompt_tokens
-    ttft = roof.prefill(model.params_active, prompt, model.arch.layers, model.attention_dim, active_bytes)
+
+    def collectives(tokens: int) -> float:
+        return tensor_parallel_seconds(tokens, model.hidden_size, model.arch.layers, parallel, hw.link_gbs)
+
+    ttft = roof.prefill(model.params_active, prompt, model.arch.layers, model.attention_dim,
+                        model.weight_bytes(held, tokens=prompt))
+    if ttft is not None:
+        ttft += collectives(prompt)
     mean_context = workload.prompt_tokens + workload.output_tokens / 2
     kv_total = plan.kv_bytes_per_token * gpus
 
     def tpot(batch: int) -> float:
-        return roof.decode_step(active_bytes, batch * mean_context * kv_total, model.params_active, batch)
+        """A decode step: the weights its batch reads (a MoE layer's union of experts), the KV,
+        and the tensor-parallel collectives, which the step waits for."""
+        return roof.decode_step(model.weight_bytes(held, tokens=batch), batch * mean_context * kv_total,
+                                model.params_active, batch) + collectives(batch)
 
     concurrency = workload.concurrency
     # What one deployment finishes per second at its largest batch: a rate beyond it queues
@@ -329,6 +400,9 @@ def _estimates(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
         "meets_slo": None if ttft is None else bool(replicas == 1 and meets_ttft
                                                     and tpot(batch) * 1000 <= workload.slo_tpot_ms),
         "prefilled_prompt_tokens": prompt, "flops_known": tflops is not None,
+        "decode_weight_gb_per_step": model.weight_bytes(held, tokens=batch) / 1e9,
+        "experts_read_per_layer": model.experts.touched(batch) if model.experts else None,
+        "collectives_ms_per_step": collectives(batch) * 1000,
     }
 
 
@@ -355,19 +429,23 @@ def _launch(m: Matrix, model: ModelSpec, gpus: int, workload: Workload, kv_cell:
     out: dict = {}
     if m.launch.servegate:
         spec = LaunchSpec(runtime=m.launch.servegate, model=model.id, port=8001, context_length=context,
-                          tensor_parallel=gpus, kv_cache_dtype=kv if kv and kv_cell else None,
-                          max_running_requests=slots)
+                          tensor_parallel=gpus, expert_parallel=workload.expert_parallel,
+                          kv_cache_dtype=kv if kv and kv_cell else None, max_running_requests=slots)
         try:
             out["runtime_command"] = shell_line(spec, portable=True)
         except LaunchError as exc:
             out["note"] = str(exc)
         else:
             flags = [f"--model {shlex.quote(model.id)}", f"--context-length {context}", f"--tp {gpus}",
-                     f"--max-running-requests {slots}"] + ([f"--kv-cache-dtype {kv}"] if kv and kv_cell else [])
+                     f"--max-running-requests {slots}"] + ([f"--kv-cache-dtype {kv}"] if kv and kv_cell else []) \
+                + (["--expert-parallel"] if workload.expert_parallel else [])
             out["servegate_command"] = f"servegate launch {m.launch.servegate} " + " ".join(flags)
     else:
         text = m.launch.command.format(model=model.id, tp=gpus, context=context, slots=slots,
                                        kv=kv_cell.flag if kv_cell and kv_cell.flag else "")
+        expert = m.moe["expert_parallel"]
+        if workload.expert_parallel and expert.flag:  # LMDeploy's --ep N, TensorRT-LLM's --ep_size N
+            text += f" {expert.flag} {gpus}"
         out["runtime_command"] = " ".join(text.split())
     if m.runtime in ("llama-cpp", "ollama") and not model.id.endswith(".gguf"):
         out["note"] = "llama.cpp serves GGUF files: convert the checkpoint (convert_hf_to_gguf.py) or pass a .gguf"
@@ -378,27 +456,70 @@ def _launch(m: Matrix, model: ModelSpec, gpus: int, workload: Workload, kv_cell:
     return out
 
 
-def _rank(candidates: list[Candidate]) -> None:
+def _rank(candidates: list[Candidate]) -> list[str]:
+    """Order the candidates and say what decided. Scores within SCORE_TIE of the best are a tie,
+    and so is a lead that rests only on unverified cells: every such candidate is recommended, and
+    the notes say why and what would separate them. Never a tie-break by name. When no candidate
+    meets the SLO, none is recommended."""
     def goodput(c: Candidate) -> float:
         return c.estimates.get("goodput_requests_per_s") or 0.0
 
     best = max(map(goodput, candidates), default=0.0) or 1.0
+    estimated = {}
     for c in candidates:
         if c.verdict != "excluded":
-            c.score += 3 * goodput(c) / best + 0.1 * c.memory["features"]
-    candidates.sort(key=lambda c: (VERDICT_ORDER[c.verdict], -c.score, c.runtime))
-    if candidates and candidates[0].verdict == "viable":
-        candidates[0].verdict = "recommended"
+            estimated[c.runtime] = 3 * goodput(c) / best
+            c.score += estimated[c.runtime] + 0.1 * c.memory["features"]
+    candidates.sort(key=lambda c: (VERDICT_ORDER[c.verdict], -c.score))
+    viable = [c for c in candidates if c.verdict != "excluded"]
+    if not viable or all(c.estimates.get("goodput_requests_per_s") == 0 for c in viable):
+        return []
+    top, notes = viable[0], []
+    top.verdict = "recommended"
+    for other in viable[1:]:
+        lead = top.score - other.score
+        unverified, cells = _unverified_lead(top, other, estimated)
+        if lead <= SCORE_TIE:
+            other.verdict = "recommended"
+            notes.append(f"{top.name} and {other.name} tie (scores {top.score:.2f} and {other.score:.2f}): the "
+                         f"estimates cannot separate them; measure both (--measure {top.runtime}=URL "
+                         f"--measure {other.runtime}=URL).")
+        elif lead - unverified <= SCORE_TIE:
+            other.verdict = "recommended"
+            notes.append(f"{top.name} leads {other.name} by {lead:.2f} only through unverified cells "
+                         f"({'; '.join(cells)}): treated as a tie; measure both (--measure {top.runtime}=URL "
+                         f"--measure {other.runtime}=URL).")
+    return notes
 
 
-def _summary(candidates: list[Candidate]) -> str:
+def _unverified_lead(a: Candidate, b: Candidate, estimated: dict[str, float]) -> tuple[float, list[str]]:
+    """How much of a's lead over b comes from unverified cells: soft rules citing one, and the
+    goodput estimate where either memory fraction (which sets how many sequences fit) is unverified."""
+    amount, cells = 0.0, []
+    for sign, c in ((1, a), (-1, b)):
+        for r in c.reasons:
+            if r["kind"] == "score" and r["cell"] and r["cell"]["status"] == "unverified":
+                amount += sign * r["score"]
+                cells.append(f"{c.name} {r['cell']['path']}")
+    loose = [c for c in (a, b) if c.memory["fraction_status"] != "yes"]
+    if loose:
+        amount += estimated[a.runtime] - estimated[b.runtime]
+        cells += [f"{c.name}'s memory fraction {c.memory['fraction']}" for c in loose]
+    return amount, cells
+
+
+def _summary(candidates: list[Candidate], workload: Workload) -> str:
     viable = [c for c in candidates if c.verdict != "excluded"]
     if not viable:
         return "no runtime fits: " + "; ".join(
             f"{c.name}: {next(r['reason'] for r in c.reasons if r['kind'] == 'exclude')}" for c in candidates)
-    top = viable[0]
-    return (f"{top.name} is recommended; {len(viable) - 1} other runtime(s) viable, "
-            f"{len(candidates) - len(viable)} excluded. Confirm with `servegate advise ... --measure`.")
+    top = [c.name for c in viable if c.verdict == "recommended"]
+    if not top:
+        return (f"No runtime meets this SLO (TTFT <= {workload.slo_ttft_ms:g} ms, TPOT <= {workload.slo_tpot_ms:g} "
+                f"ms): {len(viable)} can serve the model, none within it.")
+    lead = f"{top[0]} is recommended" if len(top) == 1 else f"{', '.join(top[:-1])} and {top[-1]} are recommended"
+    return (f"{lead}; {len(viable) - len(top)} other runtime(s) viable, {len(candidates) - len(viable)} excluded. "
+            f"Confirm with `servegate advise ... --measure`.")
 
 
 def _cell_at(m: Matrix, path: str | None) -> Cell | None:

@@ -6,6 +6,8 @@ Formulas (sources in the project's reference notes on advisor tools):
 - MLA (DeepSeek V2/V3): layers x (kv_lora_rank + qk_rope_head_dim) x bytes, not sharded by TP;
 - sliding-window layers hold at most `window` tokens, so at a context length they cost
   min(context, window) / context of a full layer per token.
+And what a decode step reads: a mixture-of-experts layer reads the union of the experts its
+tokens route to, and tensor parallelism adds two all-reduces of the activations per layer.
 It refuses to guess: a missing field is named in the error.
 """
 
@@ -77,6 +79,44 @@ def kv_bytes_per_token(arch: Architecture, kv_dtype: str = "bf16", tp: int = 1, 
     full = arch.layers - arch.sliding_layers
     share = min(context, arch.sliding_window) / context if arch.sliding_layers and context else 1.0
     return per_layer * (full + arch.sliding_layers * share)
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts layout: in each of `layers` MoE layers, `routed` experts of `params`
+    weights each (a gated MLP: gate, up and down), `per_token` of them chosen per token. Shared
+    experts, dense layers and attention are the rest of the weights, read on every step."""
+    routed: int
+    per_token: int
+    layers: int
+    params: float
+
+    @property
+    def routed_params(self) -> float:
+        return self.routed * self.layers * self.params
+
+    def touched(self, tokens: int) -> float:
+        """Expected distinct experts one layer reads for `tokens` tokens, each routed to
+        `per_token` of `routed` experts uniformly and independently: E(1 - (1 - k/E)^B).
+        DeepSeek-V3 at 16 tokens: 256 x (1 - (248/256)^16) = 102 experts, not 8."""
+        return self.routed * (1 - (1 - self.per_token / self.routed) ** tokens)
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> Experts | None:
+        """From a config's expert fields (Mixtral's num_local_experts, Qwen's num_experts,
+        DeepSeek's n_routed_experts and first_k_dense_replace dense layers); None for a dense model."""
+        routed = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
+        if not routed:
+            return None
+        for name in ("num_experts_per_tok", "hidden_size"):
+            if cfg.get(name) is None:
+                raise MissingArchitectureField(f"config: field {name!r} is missing for a mixture of experts")
+        width = cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")
+        if not width:
+            raise MissingArchitectureField("config: field 'moe_intermediate_size' or 'intermediate_size' is missing")
+        dense = (cfg.get("first_k_dense_replace") or 0) + len(cfg.get("mlp_only_layers") or ())
+        return cls(int(routed), int(cfg["num_experts_per_tok"]), cfg["num_hidden_layers"] - dense,
+                   3.0 * cfg["hidden_size"] * width)
 
 
 @dataclass(frozen=True)
@@ -184,11 +224,11 @@ def estimate_params(cfg: dict, source: str = "config") -> tuple[float, float]:
     arch = Architecture.from_config(cfg, source)
     hidden, vocab, heads = need("hidden_size"), need("vocab_size"), need("num_attention_heads")
     attention = hidden * arch.head_dim * (2 * heads + 2 * arch.kv_heads)
-    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
+    experts = Experts.from_config(cfg)
     if experts:
-        per_expert = 3 * hidden * need("moe_intermediate_size", "intermediate_size")
-        used = need("num_experts_per_tok")
-        mlp_total, mlp_active = experts * per_expert + hidden * experts, used * per_expert + hidden * experts
+        router = hidden * experts.routed
+        mlp_total = experts.routed * experts.params + router
+        mlp_active = experts.per_token * experts.params + router
     else:
         mlp_total = mlp_active = 3 * hidden * need("intermediate_size")
     embeddings = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
@@ -235,6 +275,26 @@ def memory_plan(capacity: float, weights: float, kv_per_token: float, context: i
     else:
         budget = capacity - weights - reserved
     return MemoryPlan(capacity, weights, reserved, max(0.0, budget), kv_per_token, context)
+
+
+# -- communication ----------------------------------------------------------------------------
+# One collective's fixed cost: AIConfigurator's `p2p_latency` (10 us in every one of its
+# systems/*.yaml, "a nonofficial correction based on observations").
+COLLECTIVE_LATENCY_S = 10e-6
+
+
+def tensor_parallel_seconds(tokens: int, hidden: int, layers: int, gpus: int, link_gbs: float | None) -> float:
+    """Seconds a forward pass of `tokens` spends in tensor-parallel collectives: two all-reduces of
+    the bf16 activations per layer (after attention and after the MLP), each a fixed latency plus
+    the ring's 2(N-1)/N of the message over one device's link (GB/s, one direction). Expert
+    parallelism as vLLM and SGLang run it by default (an all-gather before the experts, a
+    reduce-scatter after) moves the same bytes as the MLP's all-reduce."""
+    if gpus == 1:
+        return 0.0
+    if not link_gbs:
+        raise ValueError("a tensor-parallel estimate needs the devices' link bandwidth")
+    message = tokens * hidden * 2
+    return 2 * layers * (COLLECTIVE_LATENCY_S + 2 * (gpus - 1) / gpus * message / (link_gbs * 1e9))
 
 
 # -- roofline ---------------------------------------------------------------------------------

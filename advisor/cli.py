@@ -47,9 +47,14 @@ def advise_command(
     new_deployment: Annotated[bool, typer.Option("--new-deployment/--existing-tgi",
                                                  help="A new deployment, or an existing TGI fleet.")] = True,
     offline: Annotated[bool, typer.Option(help="An edge or offline box.")] = False,
-    expert_parallel: Annotated[bool | None, typer.Option("--expert-parallel/--no-expert-parallel",
-                                                         help="Require expert parallelism (default: for wide MoE "
-                                                              "models across 8+ devices).")] = None,
+    expert_parallel: Annotated[bool, typer.Option(
+        "--expert-parallel", help="Serve a MoE model's experts expert-parallel: runtimes without it are excluded "
+                                  "and the launch lines carry their flag (default: tensor parallelism only).")] = False,
+    structured_output: Annotated[bool, typer.Option(
+        "--structured-output", help="Require JSON-schema or grammar-constrained output.")] = False,
+    multi_lora: Annotated[bool, typer.Option("--multi-lora", help="Require serving several LoRA adapters.")] = False,
+    speculative_decoding: Annotated[bool, typer.Option(
+        "--speculative-decoding", help="Require speculative decoding.")] = False,
     runtimes: Annotated[str | None, typer.Option(help="Only these runtimes, comma-separated.")] = None,
     tflops: Annotated[float | None, typer.Option(help="Dense TFLOPS per device, where the catalogue has none "
                                                       "(Apple GPUs) or to correct it.")] = None,
@@ -94,7 +99,9 @@ def advise_command(
                         prefix_reuse=prefix_reuse, concurrency=concurrency, request_rate=request_rate,
                         slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, kv_cache_dtype=kv_cache_dtype,
                         weight_quant=weight_quant, new_deployment=new_deployment,
-                        existing_tgi=not new_deployment, offline=offline, expert_parallel=expert_parallel)
+                        existing_tgi=not new_deployment, offline=offline, expert_parallel=expert_parallel,
+                        structured_output=structured_output, multi_lora=multi_lora,
+                        speculative_decoding=speculative_decoding)
         overrides = {"bandwidth": derate_bandwidth, "prefill_compute": derate_prefill, "decode_compute": derate_decode}
         derates = replace(default_derates(device), **{k: v for k, v in overrides.items() if v is not None})
         report = advise(spec, device, gpus, load, derates,

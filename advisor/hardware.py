@@ -25,7 +25,7 @@ class UnknownHardware(ValueError):
 class Hardware:
     id: str
     name: str
-    vendor: str  # nvidia, amd, intel, apple, cpu
+    vendor: str  # nvidia, amd, intel, google, huawei, apple, cpu
     family: str  # the matrices' hardware column
     memory_gib: float
     bandwidth_gbs: float
@@ -33,13 +33,15 @@ class Hardware:
     fp8_tflops: float | None = None
     compute_capability: str | None = None
     interconnect: str = ""
+    link_gbs: float | None = None  # to peers, one direction, GB/s: what tensor-parallel all-reduces move over
     source: str = ""
+    link_source: str = ""
     note: str = ""
     measured: bool = False  # figures read off this machine, not a datasheet
 
     @property
     def gpu(self) -> bool:
-        return self.vendor in ("nvidia", "amd", "intel") and not self.family.startswith("cpu")
+        return self.vendor in ("nvidia", "amd", "intel", "google", "huawei") and not self.family.startswith("cpu")
 
     @property
     def usable_share(self) -> float:
@@ -51,7 +53,9 @@ class Hardware:
 @cache
 def catalogue() -> dict[str, Hardware]:
     data = yaml.safe_load(CATALOG.read_text())
-    return {key: Hardware(id=key, **{**entry, "source": data["sources"][entry["source"]]["ref"]})
+    refs = {key: source["ref"] for key, source in data["sources"].items()}
+    return {key: Hardware(id=key, **{**entry, "source": refs[entry["source"]],
+                                     "link_source": refs[entry.get("link_source", entry["source"])]})
             for key, entry in data["devices"].items()}
 
 

@@ -11,7 +11,15 @@ from pathlib import Path
 
 import yaml
 
-from .capacity import Architecture, MissingArchitectureField, estimate_params, gguf_weights, safetensors_weights
+from .capacity import (
+    Architecture,
+    Experts,
+    MissingArchitectureField,
+    bits_per_weight,
+    estimate_params,
+    gguf_weights,
+    safetensors_weights,
+)
 
 CATALOG = Path(__file__).resolve().parent.parent / "policies" / "catalog" / "models.yaml"
 
@@ -22,6 +30,9 @@ ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_mo
                  "gemma3_text": "gemma3", "phi3": "phi3", "deepseek_v3": "deepseek_v3", "deepseek2": "deepseek_v3",
                  "gpt_oss": "gpt_oss", "gpt-oss": "gpt_oss", "llama4": "llama4", "llama4_text": "llama4"}
 _DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+# Checkpoint formats that quantize only the experts: gpt-oss's MXFP4 checkpoints keep attention,
+# router, embeddings and head in bf16 (their config's quantization_config.modules_to_not_convert).
+EXPERTS_ONLY_FORMATS = {"mxfp4"}
 _FILE_DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F8_E4M3": "fp8", "F8_E5M2": "fp8", "I8": "int8"}
 
 
@@ -40,12 +51,27 @@ class ModelSpec:
     attention_dim: int  # query heads x head dim, for prefill attention FLOPs
     hidden_size: int  # the width of most decode matrix-vector rows; 0 when the config lacks it
     checkpoint_format: str  # bf16, fp8, mxfp4, or a GGUF type
+    experts: Experts | None = None
     weights_bytes: float | None = None  # exact, when read from the weight files
     source: str = ""
 
     @property
     def moe(self) -> bool:
-        return self.params_active < self.params_total * 0.9
+        return self.experts is not None
+
+    def weight_bytes(self, fmt: str, tokens: int | None = None) -> float:
+        """Bytes of the weights in format `fmt`: all of them (`tokens` None), or those one forward
+        pass of `tokens` tokens reads: the weights every token uses (the active count less its
+        routed experts) and, per MoE layer, the union of the experts the tokens route to."""
+        bits = bits_per_weight(fmt)
+        if self.experts is None:
+            return (self.params_total if tokens is None else self.params_active) * bits / 8
+        e = self.experts
+        routed = e.routed_params if tokens is None else e.layers * e.touched(tokens) * e.params
+        rest = (self.params_total - e.routed_params if tokens is None
+                else self.params_active - e.layers * e.per_token * e.params)
+        rest_bits = bits_per_weight("bf16") if fmt.lower() in EXPERTS_ONLY_FORMATS else bits
+        return routed * bits / 8 + max(0.0, rest) * rest_bits / 8
 
 
 @cache
@@ -85,7 +111,7 @@ def _from_config(name: str, cfg: dict, source: str, total: float | None = None, 
         total, active = estimate_params(text, source)
     if active is None:  # dense: all of them; experts: the config's routed share
         active = total
-        if _experts(text):
+        if Experts.from_config(text):
             estimated_total, estimated_active = estimate_params(text, source)
             active = total * estimated_active / estimated_total
     context = text.get("max_position_embeddings")
@@ -101,11 +127,7 @@ def _from_config(name: str, cfg: dict, source: str, total: float | None = None, 
     fmt = checkpoint or _DTYPES.get(str(text.get("torch_dtype") or cfg.get("torch_dtype") or "bfloat16"), "bf16")
     return ModelSpec(name, ARCHITECTURES.get(text.get("model_type", ""), ""), arch, float(total), float(active),
                      int(context), heads * query_dim, int(text.get("hidden_size") or text.get("n_embd") or 0), fmt,
-                     exact.bytes if exact else None, source)
-
-
-def _experts(cfg: dict) -> int:
-    return cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
+                     Experts.from_config(text), exact.bytes if exact else None, source)
 
 
 def _from_gguf(path: Path) -> ModelSpec:
@@ -133,13 +155,16 @@ def _from_gguf(path: Path) -> ModelSpec:
     if cfg["kv_lora_rank"] is not None:
         cfg["qk_rope_head_dim"] = field(f"{family}.rope.dimension_count")
     weights = gguf_weights(path)
-    experts, used = field(f"{family}.expert_count"), field(f"{family}.expert_used_count")
-    active = weights.params if not experts else None
-    if active is None:  # the routed share of the expert tensors
-        expert = sum(t.n_elements for t in reader.tensors if "_exps" in t.name)
-        active = weights.params - expert + expert * used / experts
+    count, used = field(f"{family}.expert_count"), field(f"{family}.expert_used_count")
+    experts, active = None, weights.params
+    if count:  # the routed experts' tensors (blk.N.ffn_{gate,up,down}_exps), one per MoE layer
+        tensors = [t for t in reader.tensors if "_exps" in t.name]
+        layers = len({t.name.split(".")[1] for t in tensors})
+        routed = sum(int(t.n_elements) for t in tensors)
+        experts = Experts(int(count), int(used), layers, routed / (count * layers))
+        active = weights.params - routed + routed * used / count
     main = max(weights.params_by_format, key=weights.params_by_format.get)
     spec = _from_config(str(path), {k: v for k, v in cfg.items() if v is not None}, source=str(path),
                         total=weights.params, active=active, checkpoint=main)
-    return ModelSpec(**{**spec.__dict__, "architecture": ARCHITECTURES.get(family, ""),
+    return ModelSpec(**{**spec.__dict__, "architecture": ARCHITECTURES.get(family, ""), "experts": experts,
                         "weights_bytes": float(weights.bytes)})

@@ -41,7 +41,13 @@ def _header(report: Report) -> list[str]:
 
 def to_markdown(report: Report) -> str:
     lines = ["# servegate advise", "", *(f"- {line}" for line in _header(report)), "", f"**{report.summary}**", "",
-             "| rank | runtime | verdict | score | max seqs | weights GiB/device | KV bytes/token | TTFT ms | "
+             *(f"- {note}" for note in report.notes), *([""] if report.notes else [])]
+    if report.alternatives:
+        lines += ["What would meet the SLO, estimated the same way:", "",
+                  "| change | best runtime | goodput req/s | TTFT ms | TPOT ms |", "|---|---|---|---|---|",
+                  *(f"| `{a['change']}` | {a['runtime'] or 'none'} | {_fmt(a['goodput_requests_per_s'], 2)} | "
+                    f"{_fmt(a['ttft_ms'])} | {_fmt(a['tpot_ms'])} |" for a in report.alternatives), ""]
+    lines += ["| rank | runtime | verdict | score | max seqs | weights GiB/device | KV bytes/token | TTFT ms | "
              "TPOT ms | goodput req/s | measured |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for rank, c in enumerate(report.candidates, 1):
         e, mem = c.estimates, c.memory

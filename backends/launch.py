@@ -46,6 +46,7 @@ class LaunchSpec:
     host: str = "127.0.0.1"
     context_length: int | None = None  # prompt + output, per request
     tensor_parallel: int = 1
+    expert_parallel: bool = False  # the MoE experts split across the tensor-parallel devices
     kv_cache_dtype: str | None = None  # fp8_e4m3, fp8_e5m2 (GPU runtimes); q8_0, q4_0, f16... (llama.cpp)
     max_running_requests: int | None = None
     prefix_caching: bool | None = None  # None: the runtime's default (on for all of these)
@@ -81,6 +82,8 @@ def _vllm(s: LaunchSpec):
     argv = ["vllm", "serve", s.model, "--host", s.host, "--port", str(s.port),
             *_opt("--max-model-len", s.context_length), *_opt("--tensor-parallel-size", _tp(s)),
             *_opt("--kv-cache-dtype", s.kv_cache_dtype), *_opt("--max-num-seqs", s.max_running_requests)]
+    if s.expert_parallel:  # its EP size is the TP size (docs/serving/expert_parallel_deployment)
+        argv.append("--enable-expert-parallel")
     if s.prefix_caching is not None:
         argv.append("--enable-prefix-caching" if s.prefix_caching else "--no-enable-prefix-caching")
     return argv, {}
@@ -89,7 +92,7 @@ def _vllm(s: LaunchSpec):
 def _sglang(s: LaunchSpec):
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", s.model, "--host", s.host, "--port",
             str(s.port), *_opt("--context-length", s.context_length),  # never --max-total-tokens: the KV pool
-            *_opt("--tp-size", _tp(s)),
+            *_opt("--tp-size", _tp(s)), *_opt("--ep-size", s.tensor_parallel if s.expert_parallel else None),
             *_opt("--kv-cache-dtype", s.kv_cache_dtype), *_opt("--max-running-requests", s.max_running_requests)]
     if s.prefix_caching is False:
         argv.append("--disable-radix-cache")
@@ -97,6 +100,7 @@ def _sglang(s: LaunchSpec):
 
 
 def _tgi(s: LaunchSpec):
+    _no_expert_parallel(s, "TGI shards experts by tensor parallelism only")
     if s.kv_cache_dtype is not None and s.kv_cache_dtype not in TGI_KV:
         raise LaunchError(f"TGI's KV cache dtypes are fp8_e4m3 and fp8_e5m2, not {s.kv_cache_dtype!r}")
     argv = ["text-generation-launcher", "--model-id", s.model, "--hostname", s.host, "--port", str(s.port),
@@ -109,7 +113,13 @@ def _tgi(s: LaunchSpec):
     return argv, {} if s.prefix_caching is None else {"PREFIX_CACHING": "1" if s.prefix_caching else "0"}
 
 
+def _no_expert_parallel(s: LaunchSpec, reason: str) -> None:
+    if s.expert_parallel:
+        raise LaunchError(f"{s.runtime} has no expert parallelism: {reason}")
+
+
 def _no_tensor_parallel(s: LaunchSpec, instead: str) -> None:
+    _no_expert_parallel(s, "it runs a model on one device or splits its layers")
     if s.tensor_parallel > 1:
         raise LaunchError(f"{s.runtime} has no tensor parallelism here; {instead}")
 

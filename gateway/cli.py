@@ -326,6 +326,8 @@ def launch(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     context_length: Annotated[int | None, typer.Option(help="Prompt + output tokens per request.")] = None,
     tensor_parallel: Annotated[int, typer.Option("--tp", help="Tensor-parallel GPUs.")] = 1,
+    expert_parallel: Annotated[bool, typer.Option("--expert-parallel",
+                                                  help="Split a MoE model's experts across the --tp devices.")] = False,
     kv_cache_dtype: Annotated[str | None, typer.Option(help="fp8_e4m3 | fp8_e5m2 | q8_0 | q4_0 | ...")] = None,
     max_running_requests: Annotated[int | None, typer.Option(help="Requests in the running batch.")] = None,
     prefix_caching: Annotated[bool | None, typer.Option("--prefix-caching/--no-prefix-caching")] = None,
@@ -338,7 +340,7 @@ def launch(
     if runtime not in RUNTIMES:
         _fail(f"unknown runtime {runtime!r}: one of {', '.join(RUNTIMES)}")
     spec = LaunchSpec(runtime=runtime, model=model, port=port, host=host, context_length=context_length,
-                      tensor_parallel=tensor_parallel, kv_cache_dtype=kv_cache_dtype,
+                      tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, kv_cache_dtype=kv_cache_dtype,
                       max_running_requests=max_running_requests, prefix_caching=prefix_caching,
                       extra_args=list(ctx.args))
     try:

@@ -78,9 +78,30 @@ class Cell(BaseModel):
 class Memory(Cell):
     fraction_of: Literal["total", "free", "none"]  # what the runtime's memory fraction is a share of
     default_fraction: float | None = None
+    fraction_by_device: Literal["sglang"] | None = None  # the default follows the device's memory instead
     kv_dtype: str = "bf16"  # the KV cache's default element type
     compute_dtype: str | None = None  # weights are held in this type whatever the file's format
     status: Status = "yes"
+
+    def fraction_for(self, memory_gib: float, tp: int) -> float | None:
+        """The default fraction on a device of `memory_gib` in a `tp`-way group."""
+        return sglang_mem_fraction_static(memory_gib, tp) if self.fraction_by_device else self.default_fraction
+
+
+def sglang_mem_fraction_static(memory_gib: float, tp: int) -> float:
+    """SGLang's default --mem-fraction-static (server_args.py, ServerArgs._handle_gpu_memory_settings,
+    without DP attention, piecewise CUDA graphs or speculative decoding): (memory - reserved) /
+    memory, reserving MiB for constants (512), prefill activations (1.5 x the chunked-prefill
+    size), CUDA graphs (2 x their largest batch) and the group (tp / 8 x 1024), at least 10 GiB on
+    devices above 60 GiB; chunk and graph sizes by the device's memory."""
+    mib = memory_gib * 1024
+    tiers = [(20, 2048, 8, 8), (35, 2048, 24, 80), (60, 4096, 32, 160), (90, 8192, 256, 512), (160, 8192, 256, 512)]
+    chunk, graphs = next(((c, small if tp < 4 else large) for below, c, small, large in tiers if mib < below * 1024),
+                         (16384, 512))
+    reserved = 512 + max(chunk, 2048) * 1.5 + graphs * 2 + tp / 8 * 1024
+    if mib > 60 * 1024:
+        reserved = max(reserved, 10 * 1024)
+    return round((mib - reserved) / mib, 3)
 
 
 class Launch(BaseModel):

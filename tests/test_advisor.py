@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from advisor.advise import ImpossibleRequest, Workload, advise
 from advisor.capacity import MissingArchitectureField, estimate_params
 from advisor.hardware import UnknownHardware
+from advisor.hardware import catalogue as catalogue_devices
 from advisor.hardware import resolve as hardware
 from advisor.models import UnknownModel, catalogue, resolve
 from advisor.report import to_html, to_json, to_markdown
@@ -189,7 +190,8 @@ SCENARIOS = [  # (model, hardware, gpus, workload): each shipped rule fires in a
     ("meta-llama/Llama-3.1-8B-Instruct", "l4", 1, Workload(kind="agent", prefix_reuse=0.6, concurrency=8,
                                                             kv_cache_dtype="q4_1")),
     ("deepseek-ai/DeepSeek-V3", "h100-sxm", 8, Workload(kv_cache_dtype="fp8")),
-    ("deepseek-ai/DeepSeek-V3", "h200", 8, Workload(kv_cache_dtype="fp8", weight_quant="gguf")),
+    ("deepseek-ai/DeepSeek-V3", "h200", 8, Workload(kv_cache_dtype="fp8", weight_quant="gguf",
+                                                          expert_parallel=True)),
     ("meta-llama/Llama-3.1-70B-Instruct", "mi300x", 1, Workload(kv_cache_dtype="fp8_e5m2", prefix_reuse=0.4)),
     ("meta-llama/Llama-3.1-70B-Instruct", "a100-80gb", 4, Workload(new_deployment=False, existing_tgi=True)),
     ("meta-llama/Llama-3.2-1B-Instruct", "cpu-x86", 1, Workload(prompt_tokens=256, output_tokens=64,
@@ -198,6 +200,8 @@ SCENARIOS = [  # (model, hardware, gpus, workload): each shipped rule fires in a
     ("mistralai/Mixtral-8x7B-Instruct-v0.1", "a100-80gb", 2, Workload()),
     ("meta-llama/Llama-3.1-8B-Instruct", "rpi5", 1, Workload()),
     ("meta-llama/Llama-3.2-1B-Instruct", "t4", 1, Workload(new_deployment=False, existing_tgi=True)),
+    ("meta-llama/Llama-3.1-8B-Instruct", "l4", 1, Workload(structured_output=True, multi_lora=True,
+                                                            speculative_decoding=True)),
 ]
 
 
@@ -233,7 +237,7 @@ def test_myths_are_contradicted_with_the_matrix_cell_source(scenario_reports):
 def test_no_runtime_fits_says_so_with_reasons_and_the_nearest_fix(scenario_reports):
     report = scenario_reports[2]  # DeepSeek-V3 (671B, FP8) on 8 x H100 80 GB
     assert all(c.verdict == "excluded" for c in report.candidates)
-    assert report.summary.startswith("no runtime fits") and "It fits from 16 x h100-sxm" in report.summary
+    assert report.summary.startswith("no runtime fits") and "it fits from 16 x h100-sxm" in report.summary
     vllm = next(c for c in report.candidates if c.runtime == "vllm")
     assert [r["rule"] for r in vllm.reasons if r["kind"] == "exclude"] == ["does-not-fit"]
     h200 = scenario_reports[3]
@@ -393,3 +397,178 @@ def test_a_request_rate_beyond_capacity_asks_for_replicas_instead_of_diverging()
                     Workload(request_rate=0.05, prompt_tokens=512, output_tokens=128))
     assert all(c.estimates["replicas_needed"] == 1 and c.estimates["queued"] == 0
                for c in modest.candidates if c.estimates)
+
+
+# -- mixture of experts, parallelism, ranking --------------------------------------------------
+def _by_runtime(report):
+    return {c.runtime: c for c in report.candidates}
+
+
+def test_moe_decode_reads_the_union_of_routed_experts_as_by_hand():
+    """DeepSeek-V3 (fp8) on 8 x H200 at batch 16, by hand:
+    - experts a layer reads: 256 x (1 - (1 - 8/256)^16) = 101.97 (the report said 8);
+    - an expert is 3 x 7168 x 2048 = 44,040,192 weights; 58 of 61 layers are MoE (3 dense);
+    - every token also reads the 37e9 active weights less its 8 routed experts per layer:
+      37e9 - 58 x 8 x 44,040,192 = 16.57e9;
+    - a step reads 58 x 101.97 x 44,040,192 + 16.57e9 = 277.0e9 bytes at 1 byte a weight,
+      over 8 x 4,800 GB/s x 0.8 = 30.72 TB/s: 9.02 ms;
+    - its KV: 16 sequences x 1,152 tokens (1,024 + 256/2) x 61 layers x 576 (MLA) x 2 bytes, on
+      each of the 8 devices: 10.36e9 bytes, 0.34 ms;
+    - tensor parallelism: 2 all-reduces a layer of 16 x 7168 x 2 bytes, each 10 us + 2 x 7/8 of
+      229,376 bytes over 450 GB/s: 61 x 2 x 10.89 us = 1.33 ms.
+    TPOT 9.02 + 0.34 + 1.33 = 10.69 ms, where the report said 1.5 ms."""
+    load = Workload(concurrency=16)
+    vllm = _by_runtime(advise(resolve("deepseek-ai/DeepSeek-V3"), hardware("h200"), 8, load))["vllm"]
+    e = vllm.estimates
+    assert e["batch"] == 16
+    assert e["experts_read_per_layer"] == pytest.approx(101.97, abs=0.01)
+    assert e["decode_weight_gb_per_step"] == pytest.approx(277.0, rel=0.002)
+    assert e["collectives_ms_per_step"] == pytest.approx(1.33, abs=0.005)
+    assert e["tpot_ms"] == pytest.approx(10.69, rel=0.01)
+
+
+@pytest.mark.parametrize("model, device, at_least_ms, was_ms", [
+    ("mistralai/Mixtral-8x7B-Instruct-v0.1", "mi300x", 21.0, 6.7),  # 16 tokens touch 7.9 of 8 experts
+    ("openai/gpt-oss-120b", "h100-sxm", 9.0, 1.3),  # 51 of 128 experts a layer at batch 16
+])
+def test_moe_decode_at_batch_is_no_longer_optimistic(model, device, at_least_ms, was_ms):
+    vllm = _by_runtime(advise(resolve(model), hardware(device), 1, Workload(concurrency=16)))
+    tpot = next(c for c in vllm.values() if c.estimates).estimates["tpot_ms"]
+    assert tpot >= at_least_ms > was_ms
+
+
+def test_gpt_oss_weights_count_bf16_attention_beside_mxfp4_experts():
+    """gpt-oss keeps attention, router, embeddings and head in bf16; its checkpoint is 60.8 GiB
+    (OpenAI's model card), where MXFP4 for all 117e9 weights would say 57.9."""
+    model = resolve("openai/gpt-oss-120b")
+    assert model.weight_bytes("mxfp4") / 2**30 == pytest.approx(60.8, rel=0.03)
+    assert model.experts.routed == 128 and model.experts.per_token == 4
+
+
+def test_tensor_parallel_collectives_count_over_the_devices_link():
+    """Llama-3.1-70B fp8 on 4 x L40S (PCIe 4.0, 32 GB/s a direction) at batch 16: 80 layers x 2
+    all-reduces of 16 x 8192 x 2 bytes, each 10 us + 2 x 3/4 x 262,144 / 32e9 s = 22.29 us:
+    3.57 ms a step, which the report left out. On NVLink A100s the same is 2.0 ms."""
+    load = Workload(concurrency=16, weight_quant="fp8")
+    model = resolve("meta-llama/Llama-3.1-70B-Instruct")
+    l40s = _by_runtime(advise(model, hardware("l40s"), 4, load))["vllm"].estimates
+    assert l40s["collectives_ms_per_step"] == pytest.approx(3.566, abs=0.005)
+    a100 = _by_runtime(advise(model, hardware("a100-80gb"), 4, Workload(concurrency=16)))["vllm"].estimates
+    assert a100["collectives_ms_per_step"] == pytest.approx(160 * (10e-6 + 1.5 * 262144 / 300e9) * 1000, rel=1e-3)
+
+
+def test_expert_parallelism_is_a_choice_and_its_launch_lines_carry_the_flag():
+    """SGLang's DeepSeek recipe runs TP only: expert parallelism is not required by default; asked
+    for, the runtimes without it are excluded and the lines carry each runtime's flag."""
+    model, h200 = resolve("deepseek-ai/DeepSeek-V3"), hardware("h200")
+    plain = _by_runtime(advise(model, h200, 8, Workload()))
+    assert plain["sglang"].verdict != "excluded"
+    assert "expert" not in plain["vllm"].launch["runtime_command"]
+    ep = _by_runtime(advise(model, h200, 8, Workload(expert_parallel=True)))
+    assert "--enable-expert-parallel" in ep["vllm"].launch["runtime_command"]
+    assert "--expert-parallel" in ep["vllm"].launch["servegate_command"]
+    assert "--ep-size 8" in ep["sglang"].launch["runtime_command"]
+    assert "--ep_size 8" in ep["tensorrt-llm"].launch["runtime_command"]
+    assert ep["tgi"].verdict == "excluded" and any(r["rule"] == "expert-parallel-missing" for r in ep["tgi"].reasons)
+
+
+def test_corrected_cells():
+    """Each of these was wrong against the runtime's own code or docs."""
+    m = matrices()
+    assert m["vllm"].memory.default_fraction == 0.92  # vllm/config/cache.py
+    assert m["vllm"].weight_quant["fp8"].holds_on("nvidia-turing") and m["vllm"].weight_quant["fp8"].holds_on(
+        "nvidia-ampere")  # W8A16 through FP8 Marlin
+    assert not m["lmdeploy"].weight_quant["fp8"].holds_on("nvidia-ampere")  # sm89/sm90 only
+    assert m["tensorrt-llm"].weight_quant["mxfp4"].holds_on("nvidia-hopper")  # gpt-oss on H200, TRITON MoE
+    gpt_oss = _by_runtime(advise(resolve("openai/gpt-oss-120b"), hardware("h200"), 1, Workload()))
+    assert gpt_oss["tensorrt-llm"].verdict != "excluded"
+    assert m["tensorrt-llm"].moe["expert_parallel"].flag == "--ep_size"
+
+
+@pytest.mark.parametrize("memory_gib, tp, expected", [
+    (80, 1, 0.836),  # H100: chunk 8192, graphs 256: 512 + 12288 + 512 + 128 = 13,440 MiB of 81,920
+    (141, 8, 0.897),  # H200 at TP 8: graphs 512, group 1,024: 14,848 MiB of 144,384
+    (24, 1, 0.847),  # L4: chunk 2048, graphs 24: 512 + 3072 + 48 + 128 = 3,760 MiB of 24,576
+])
+def test_sglang_memory_fraction_follows_its_server_args_heuristic(memory_gib, tp, expected):
+    memory = matrices()["sglang"].memory
+    assert memory.status == "yes" and memory.fraction_for(memory_gib, tp) == expected
+
+
+def test_ties_are_reported_as_ties_not_broken_by_name():
+    """SGLang was "recommended" over vLLM at equal estimates because "sglang" < "vllm"."""
+    report = advise(resolve("meta-llama/Llama-3.1-70B-Instruct"), hardware("l40s"), 4,
+                    Workload(concurrency=16, weight_quant="fp8"))
+    top = [c.runtime for c in report.candidates if c.verdict == "recommended"]
+    assert {"vllm", "sglang"} <= set(top)
+    assert any("tie" in note and "--measure" in note for note in report.notes)
+    assert " and " in report.summary and "are recommended" in report.summary
+
+
+def test_a_lead_resting_on_unverified_cells_is_no_lead():
+    from advisor.advise import Candidate, _rank
+
+    def candidate(runtime, goodput, fraction_status, unverified_bonus=0.0):
+        c = Candidate(runtime, runtime.upper(), "1")
+        c.estimates = {"goodput_requests_per_s": goodput}
+        c.memory = {"features": 0, "fraction_status": fraction_status, "fraction": 0.9}
+        if unverified_bonus:
+            c.score += unverified_bonus
+            c.reasons.append({"rule": "r", "kind": "score", "score": unverified_bonus, "reason": "",
+                              "cell": {"status": "unverified", "path": "features.x"}})
+        return c
+
+    by_fraction = [candidate("a", 10.0, "yes"), candidate("b", 7.0, "unverified")]
+    notes = _rank(by_fraction)
+    assert [c.verdict for c in by_fraction] == ["recommended", "recommended"]
+    assert "only through unverified cells" in notes[0] and "B's memory fraction" in notes[0]
+    by_rule = [candidate("a", 5.0, "yes", unverified_bonus=1.0), candidate("b", 5.0, "yes")]
+    assert "A features.x" in _rank(by_rule)[0]
+    verified = [candidate("a", 10.0, "yes"), candidate("b", 7.0, "yes")]
+    assert _rank(verified) == [] and [c.verdict for c in verified] == ["recommended", "viable"]
+
+
+def test_no_runtime_meeting_the_slo_is_said_plainly_with_estimated_alternatives():
+    """Every goodput was 0 and one runtime was still "recommended", with no advice."""
+    report = advise(resolve("meta-llama/Llama-3.1-70B-Instruct"), hardware("l4"), 8, Workload(slo_tpot_ms=20))
+    assert not any(c.verdict == "recommended" for c in report.candidates)
+    assert report.summary.startswith("No runtime meets this SLO (TTFT <= 2000 ms, TPOT <= 20 ms)")
+    changes = {a["change"].split()[0]: a for a in report.alternatives}
+    assert {"--weight-quant", "--gpus", "--slo-ttft-ms"} <= set(changes)
+    looser = changes["--slo-ttft-ms"]
+    assert looser["meets_slo"] and looser["goodput_requests_per_s"] > 0 and looser["tpot_ms"] > 20
+    assert all(a["tpot_ms"] is not None for a in report.alternatives)
+    assert "What would meet the SLO" in to_markdown(report)
+
+
+def test_requirement_flags_read_the_feature_cells():
+    load = Workload(structured_output=True, multi_lora=True, speculative_decoding=True)
+    report = _by_runtime(advise(resolve("meta-llama/Llama-3.1-8B-Instruct"), hardware("l4"), 1, load))
+    assert any(r["rule"] == "multi-lora-missing" for r in report["ollama"].reasons)  # one ADAPTER per Modelfile
+    assert report["ollama"].verdict == "excluded"
+    limited = [r for r in report["llama-cpp"].reasons if r["rule"] == "multi-lora-limited"]
+    assert limited and limited[0]["cell"]["path"] == "features.multi_lora"
+    assert report["vllm"].verdict != "excluded"
+    result = CliRunner().invoke(app, ["advise", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--hardware", "l4",
+                                      "--multi-lora", "--format", "json"])
+    assert result.exit_code == 0 and '"multi_lora": true' in result.output
+
+
+def test_the_catalogue_reaches_every_accelerator_column_with_sourced_links():
+    devices = {d.id: d for d in catalogue_devices().values()}
+    for new in ("ascend-910b", "tpu-v6e", "mi325x", "mi355x", "h20", "b200", "gb200", "gaudi3"):
+        assert new in devices, new
+    families = {d.family for d in devices.values()}
+    assert {"huawei-ascend", "google-tpu", "amd-cdna4"} <= families
+    for d in devices.values():
+        if d.gpu:
+            assert d.link_gbs and d.link_source, d.id
+    ascend = _by_runtime(advise(resolve("Qwen/Qwen3-32B"), hardware("ascend-910b"), 2, Workload()))
+    assert any(c.verdict != "excluded" for c in ascend.values())
+    assert "unverified" in devices["ascend-910b"].note
+
+
+def test_a_model_too_big_for_one_card_is_told_both_fixes():
+    """A T4 was told "fits from 2 x t4" without the 8-bit weights that fit on one."""
+    report = advise(resolve("meta-llama/Llama-3.1-8B-Instruct"), hardware("t4"), 1, Workload())
+    assert "it fits from 2 x t4" in report.summary and "--weight-quant fp8" in report.summary
