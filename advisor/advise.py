@@ -92,15 +92,22 @@ class Workload:
             raise ImpossibleRequest("; ".join(problems))
 
 
-def _check_fits(model: ModelSpec, gpus: int, workload: Workload, derates: Derates) -> None:
-    """What no runtime could serve, said with the nearest valid choice."""
+def _check_fits(model: ModelSpec, gpus: int, workload: Workload, derates: Derates) -> list[str]:
+    """What no runtime could serve, said with the nearest valid choice; notes on what only a
+    non-default setting serves."""
+    notes = []
     total = workload.prompt_tokens + workload.output_tokens
-    if model.max_context and total > model.max_context:
-        room = model.max_context - workload.output_tokens
+    longest = model.scaled_context or model.max_context
+    if model.max_context and total > longest:
+        room = longest - workload.output_tokens
         raise ImpossibleRequest(
             f"--prompt-tokens {workload.prompt_tokens} + --output-tokens {workload.output_tokens} = {total} exceed "
-            f"{model.id}'s context of {model.max_context} tokens"
+            f"{model.id}'s context of {longest} tokens" + (f" (with {model.scaling_note})" if model.scaled_context
+                                                             else "")
             + (f"; with {workload.output_tokens} output tokens, at most {room} prompt tokens" if room > 0 else ""))
+    if model.max_context and total > model.max_context:
+        notes.append(f"{total} tokens exceed {model.id}'s default context of {model.max_context}: it needs "
+                     f"{model.scaling_note}. Turn it on only for long-context traffic.")
     heads = model.attention_dim // model.arch.head_dim if model.arch.head_dim else 0
     if gpus > 1 and heads and heads % gpus:
         valid = [n for n in range(1, heads + 1) if heads % n == 0]
@@ -112,6 +119,7 @@ def _check_fits(model: ModelSpec, gpus: int, workload: Workload, derates: Derate
                         ("decode", derates.decode_compute)):
         if not 0 < value <= 1:
             raise ImpossibleRequest(f"--derate-{name} {value:g}: a share of the datasheet peak, in (0, 1]")
+    return notes
 
 
 @dataclass
@@ -152,7 +160,7 @@ def advise(model: ModelSpec, hardware: Hardware, gpus: int, workload: Workload, 
         raise ImpossibleRequest("--gpus must be at least 1")
     if not hardware.gpu and gpus > 1:
         raise ImpossibleRequest(f"{hardware.id} is one machine: --gpus applies to accelerators only")
-    _check_fits(model, gpus, workload, derates)
+    context_notes = _check_fits(model, gpus, workload, derates)
     ruleset = rules.named("advisor")
     chosen = matrices()
     unknown = set(runtimes or ()) - set(chosen)
@@ -160,7 +168,7 @@ def advise(model: ModelSpec, hardware: Hardware, gpus: int, workload: Workload, 
         raise ImpossibleRequest(f"unknown runtimes {sorted(unknown)}: choose from {', '.join(chosen)}")
     candidates = [_candidate(m, model, hardware, gpus, workload, derates, ruleset)
                   for runtime, m in chosen.items() if not runtimes or runtime in runtimes]
-    notes = _rank(candidates)
+    notes = context_notes + _rank(candidates)
     summary = _summary(candidates, workload)
     viable = [c for c in candidates if c.verdict != "excluded"]
     if not viable and any(r["rule"] == "does-not-fit" for c in candidates for r in c.reasons):
@@ -275,12 +283,13 @@ def _candidate(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
                    "weights_gib": round(plan.weights / GIB, 1), "capacity_gib": round(plan.capacity / GIB, 1)},
     }
     candidate = Candidate(m.runtime, m.name, m.version)
-    cells = {"kv_cache": kv_cell, "weight_quant": weight_cell, "hardware": m.hardware[hw.family],
-             "architectures": m.architectures.get(model.architecture)}
+    cells = {"kv_cache": (kv_cell, f"kv_cache.{kv_key}"),
+             "weight_quant": (weight_cell, f"weight_quant.{_weight_key(weight_format)}"),
+             "hardware": (m.hardware[hw.family], f"hardware.{hw.family}"),
+             "architectures": (m.architectures.get(model.architecture), f"architectures.{model.architecture}")}
     for fired in ruleset.evaluate(context):
         rule = fired.rule
-        cell = cells.get(rule.cite) if rule.cite in cells else _cell_at(m, rule.cite)
-        path = _cell_path(m, rule.cite, cell)
+        cell, path = cells[rule.cite] if rule.cite in cells else (_cell_at(m, rule.cite), rule.cite)
         candidate.reasons.append({"rule": rule.id, "kind": rule.kind, "reason": fired.reason, "score": rule.score,
                                   "cell": _describe(m, cell) | {"path": path} if cell else None})
         candidate.score += rule.score
@@ -311,9 +320,12 @@ def _kv_cell(m: Matrix, workload: Workload, hw: Hardware) -> tuple[str, Cell | N
                          f"not among its KV cache types ({', '.join(m.kv_cache) or 'none'})")
 
 
+def _weight_key(fmt: str) -> str:
+    return WEIGHT_KEYS.get(fmt, "gguf" if fmt.upper() in GGUF_BITS or fmt.upper().startswith(("Q", "IQ")) else fmt)
+
+
 def _weight_cell(m: Matrix, fmt: str, hw: Hardware) -> Cell:
-    key = WEIGHT_KEYS.get(fmt, "gguf" if fmt.upper() in GGUF_BITS or fmt.upper().startswith(("Q", "IQ")) else fmt)
-    return _cell_on(m, m.weight_quant.get(key), hw, f"{fmt} is not in its list")
+    return _cell_on(m, m.weight_quant.get(_weight_key(fmt)), hw, f"{fmt} is not in its list")
 
 
 def _cell_on(m: Matrix, cell: Cell | None, hw: Hardware, missing: str) -> Cell:
@@ -335,6 +347,8 @@ def _memory(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: Work
         reserved = 3.5e9 + (0.4e9 if gpus > 1 else 0)
     else:  # tools.metakraftlabs.com: 0.8 GB plus 5% of the weights
         reserved = 0.8e9 + 0.05 * weights
+    if m.memory.fraction_covers == "weights_and_kv":  # activations and graphs are already outside the fraction
+        reserved = 0.0
     if m.memory.fraction_of == "none":
         capacity_used, fraction = capacity * hw.usable_share, None
     else:
@@ -529,13 +543,6 @@ def _cell_at(m: Matrix, path: str | None) -> Cell | None:
     for part in path.split("."):
         node = node.get(part) if isinstance(node, dict) else getattr(node, part, None)
     return node if isinstance(node, Cell) else None
-
-
-def _cell_path(m: Matrix, cite: str | None, cell: Cell | None) -> str | None:
-    """e.g. kv_cache.q8_0 for a rule citing the kv_cache section."""
-    if cite is None or cell is None or "." in cite or cite in ("maintained", "license", "memory"):
-        return cite
-    return next((f"{cite}.{key}" for key, c in getattr(m, cite).items() if c is cell), cite)
 
 
 def _describe(m: Matrix, cell: Cell) -> dict:

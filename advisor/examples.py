@@ -13,48 +13,123 @@ from .hardware import resolve as hardware
 from .models import resolve as model
 from .report import to_markdown
 
-# (title, command-line equivalent, model, hardware, gpus, workload)
+# (title, command-line flags, model, hardware, gpus, workload); each section's "why" lives in
+# WHY, keyed by title, so a reader can check the answer by hand.
 SCENARIOS = [
-    ("Mac laptop, Llama 3.1 8B, one user",
-     "--model meta-llama/Llama-3.1-8B-Instruct --hardware m3-max --weight-quant Q4_K_M --concurrency 1 --offline",
-     "meta-llama/Llama-3.1-8B-Instruct", "m3-max", 1,
-     Workload(weight_quant="Q4_K_M", concurrency=1, offline=True)),
-    ("Single L4, Llama 3.1 8B, agent workload",
-     "--model meta-llama/Llama-3.1-8B-Instruct --hardware l4 --workload agent --prefix-reuse 0.6 --weight-quant fp8 "
-     "--concurrency 8",
-     "meta-llama/Llama-3.1-8B-Instruct", "l4", 1,
-     Workload(kind="agent", prefix_reuse=0.6, weight_quant="fp8", concurrency=8)),
-    ("8 x H100, DeepSeek-V3, FP8 KV cache",
-     "--model deepseek-ai/DeepSeek-V3 --hardware h100-sxm --gpus 8 --kv-cache-dtype fp8",
-     "deepseek-ai/DeepSeek-V3", "h100-sxm", 8, Workload(kv_cache_dtype="fp8")),
-    ("AMD MI300X, Llama 3.1 70B",
-     "--model meta-llama/Llama-3.1-70B-Instruct --hardware mi300x --concurrency 32",
-     "meta-llama/Llama-3.1-70B-Instruct", "mi300x", 1, Workload(concurrency=32)),
-    ("Existing TGI fleet on 4 x A100 80 GB, Llama 3.1 70B",
-     "--model meta-llama/Llama-3.1-70B-Instruct --hardware a100-80gb --gpus 4 --existing-tgi --prefix-reuse 0.3",
-     "meta-llama/Llama-3.1-70B-Instruct", "a100-80gb", 4,
-     Workload(new_deployment=False, existing_tgi=True, prefix_reuse=0.3)),
-    ("CPU-only edge box, Llama 3.2 1B",
-     "--model meta-llama/Llama-3.2-1B-Instruct --hardware cpu-x86 --weight-quant Q4_K_M --prompt-tokens 256 "
-     "--output-tokens 128 --concurrency 2 --offline --slo-ttft-ms 5000 --slo-tpot-ms 200",
-     "meta-llama/Llama-3.2-1B-Instruct", "cpu-x86", 1,
-     Workload(weight_quant="Q4_K_M", prompt_tokens=256, output_tokens=128, concurrency=2, offline=True,
-              slo_ttft_ms=5000, slo_tpot_ms=200)),
-    ("2 x A100 80 GB, Mixtral 8x7B",
-     "--model mistralai/Mixtral-8x7B-Instruct-v0.1 --hardware a100-80gb --gpus 2",
-     "mistralai/Mixtral-8x7B-Instruct-v0.1", "a100-80gb", 2, Workload()),
+    ("DeepSeek-V3 on 8 x H200", "--model deepseek-ai/DeepSeek-V3 --hardware h200 --gpus 8 --concurrency 16",
+     "deepseek-ai/DeepSeek-V3", "h200", 8, Workload(concurrency=16)),
+    ("gpt-oss-120b on 1 x H100", "--model openai/gpt-oss-120b --hardware h100-sxm --concurrency 16",
+     "openai/gpt-oss-120b", "h100-sxm", 1, Workload(concurrency=16)),
+    ("Mixtral 8x7B on 1 x MI300X", "--model mistralai/Mixtral-8x7B-Instruct-v0.1 --hardware mi300x --concurrency 16",
+     "mistralai/Mixtral-8x7B-Instruct-v0.1", "mi300x", 1, Workload(concurrency=16)),
+    ("Llama 3.1 8B on 1 x L4, 32 users", "--model meta-llama/Llama-3.1-8B-Instruct --hardware l4 --concurrency 32",
+     "meta-llama/Llama-3.1-8B-Instruct", "l4", 1, Workload(concurrency=32)),
+    ("Qwen2.5-72B AWQ on 2 x A100 80 GB",
+     "--model Qwen/Qwen2.5-72B-Instruct --weight-quant awq --hardware a100-80gb --gpus 2 --concurrency 16",
+     "Qwen/Qwen2.5-72B-Instruct", "a100-80gb", 2, Workload(weight_quant="awq", concurrency=16)),
+    ("A 7B model on 1 x Ascend 910B", "--model Qwen/Qwen2.5-7B-Instruct --hardware ascend-910b --concurrency 16",
+     "Qwen/Qwen2.5-7B-Instruct", "ascend-910b", 1, Workload(concurrency=16)),
+    ("A 7B model on an M3 Max",
+     "--model Qwen/Qwen2.5-7B-Instruct --hardware m3-max --weight-quant Q4_K_M --concurrency 1 --offline",
+     "Qwen/Qwen2.5-7B-Instruct", "m3-max", 1, Workload(weight_quant="Q4_K_M", concurrency=1, offline=True)),
+    ("A 7B model on a CPU server",
+     "--model Qwen/Qwen2.5-7B-Instruct --hardware cpu-x86 --weight-quant Q4_K_M --prompt-tokens 256 "
+     "--output-tokens 128 --concurrency 2 --slo-ttft-ms 10000 --slo-tpot-ms 200",
+     "Qwen/Qwen2.5-7B-Instruct", "cpu-x86", 1,
+     Workload(weight_quant="Q4_K_M", prompt_tokens=256, output_tokens=128, concurrency=2, slo_ttft_ms=10000,
+              slo_tpot_ms=200)),
+    ("A request no runtime can meet: Llama 3.1 70B at 20 ms a token on 8 x L4",
+     "--model meta-llama/Llama-3.1-70B-Instruct --hardware l4 --gpus 8 --slo-tpot-ms 20",
+     "meta-llama/Llama-3.1-70B-Instruct", "l4", 8, Workload(slo_tpot_ms=20)),
 ]
+
+WHY = {
+    "DeepSeek-V3 on 8 x H200": (
+        "DeepSeek-V3's FP8 weights (671e9 parameters, 78 GiB a device at TP 8) leave room on 141 GB H200s; "
+        "TensorRT-LLM, vLLM, SGLang and LMDeploy serve the architecture, TGI is in maintenance mode (its README) "
+        "and llama.cpp has no FP8 weights. The decode estimate is the one to check: at batch 16 each MoE layer "
+        "reads 256 x (1 - (248/256)^16) = 102 of its 256 experts, not 8, so a step reads 58 layers x 102 x "
+        "44.0e6 weights + 16.6e9 weights every token uses = 277 GB, 9.0 ms over 8 x 4.8 TB/s x 0.8, plus 1.3 ms "
+        "of tensor-parallel all-reduces (61 layers x 2 x ~11 us on NVLink 4, 450 GB/s a direction: "
+        "AIConfigurator's h200_sxm.yaml) and 0.3 ms of MLA cache: about 10.7 ms a token (a test in "
+        "tests/test_advisor.py holds this hand calculation). vLLM and SGLang differ only in how much KV cache "
+        "fits: vLLM's 0.92 of memory (vllm/config/cache.py) holds activations too, SGLang's 0.897 at 141 GB and "
+        "TP 8 (its server_args.py heuristic) holds only weights and KV. The goodput estimates differ by less "
+        "than the estimate resolves: they tie, and --measure decides. Expert "
+        "parallelism is not assumed (SGLang's DeepSeek recipe runs TP 8); --expert-parallel asks for it."),
+    "gpt-oss-120b on 1 x H100": (
+        "gpt-oss-120b's checkpoint quantizes only its experts to MXFP4 (4.25 bits with scales) and keeps "
+        "attention, router, embeddings and head in bf16: 60.8 GiB, as OpenAI's model card lists, and it fits "
+        "one 80 GB H100. At batch 16 each layer reads 128 x (1 - (124/128)^16) = 51 of its 128 experts, about "
+        "27 GB a step: ~10 ms a token over 3.35 TB/s x 0.8, where counting only the 4 active experts said "
+        "1.3 ms. TensorRT-LLM is no longer excluded on Hopper: its gpt-oss deployment guide runs H200 with BF16 "
+        "activations and MXFP4 weights on the TRITON MoE backend."),
+    "Mixtral 8x7B on 1 x MI300X": (
+        "Mixtral routes each token to 2 of 8 experts, but 16 tokens touch 8 x (1 - (6/8)^16) = 7.9 of them, so "
+        "a decode step at batch 16 reads nearly all 46.7e9 weights (93 GB in bf16): 22 ms over 5.3 TB/s x 0.8, "
+        "where the active-parameter shortcut said 6.7 ms. TensorRT-LLM is NVIDIA only; vLLM and SGLang run on "
+        "ROCm (their hardware cells); llama.cpp serves Mixtral converted to its llama architecture."),
+    "Llama 3.1 8B on 1 x L4, 32 users": (
+        "16 GB of bf16 weights on a 24 GB L4 leave 3-5 GB of KV cache: vLLM's 0.92 of memory must also hold "
+        "activations and CUDA graphs (3.5 GB reserved, after AIConfigurator), SGLang's 0.847 (its server_args.py "
+        "heuristic for a card under 35 GB at TP 1) holds only weights and KV. At 128 KiB a token (32 layers x 8 KV "
+        "heads x 128 x 2 x 2 bytes) that is 24 and 34 sequences of 1,280 tokens. Decode is bandwidth-bound: "
+        "16 GB over 300 GB/s x 0.8 is 67 ms a step, above the 50 ms TPOT SLO at any batch: no runtime meets "
+        "the SLO. The alternatives are the fixes, each estimated: fp8 weights (native on the L4's Ada; vLLM "
+        "also runs them as W8A16 through FP8 Marlin from sm75), AWQ, or a second card."),
+    "Qwen2.5-72B AWQ on 2 x A100 80 GB": (
+        "AWQ stores 4 bits a weight plus an fp16 scale and zero per group of 128: 72.7e9 x 4.25 / 8 = 38.6 GB, "
+        "19.3 GB a device at TP 2, leaving most of each 80 GB for KV. vLLM's AWQ cell lists Ampere (its "
+        "quantization hardware table), TGI is excluded for a new deployment, TensorRT-LLM serves AWQ as W4A16. "
+        "A decode step at batch 16 reads 19.3 GB a device over 2.04 TB/s x 0.8 (12 ms) plus 80 layers x 2 "
+        "all-reduces over NVLink 3 (300 GB/s a direction)."),
+    "A 7B model on 1 x Ascend 910B": (
+        "The Ascend column is reachable now that the catalogue has the 910B, whose figures are secondary (no "
+        "Huawei datasheet; the device note says so): 64 GB, 1.6 TB/s and ~320 FP16 TFLOPS used. vLLM runs there "
+        "through the vllm-ascend plugin (partial), SGLang with --device npu, LMDeploy's PyTorch engine on "
+        "Atlas 800T A2, llama.cpp through its CANN backend; TensorRT-LLM is NVIDIA only. Treat the estimates "
+        "as rough until --measure."),
+    "A 7B model on an M3 Max": (
+        "On Apple silicon the serving runtimes are llama.cpp (Metal) and Ollama, which bundles it; vLLM, "
+        "SGLang, TGI and TensorRT-LLM have no Metal backend in their hardware cells. Q4_K_M is 4.9 bits a "
+        "weight (llama-quantize's size table), 4.3 GiB, and decode reads it at 400 GB/s x 0.8: about 14 ms a "
+        "token for one user. Apple publishes no GPU TFLOPS, so TTFT and goodput are n/a until --tflops is given "
+        "or --measure runs."),
+    "A 7B model on a CPU server": (
+        "A generic 16-core DDR5 server (76.8 GB/s, the catalogue's derivation): llama.cpp and Ollama run GGUF on "
+        "CPU, vLLM's CPU build serves bf16. Q4_K_M's 4.4 GiB read at 76.8 x 0.8 GB/s is ~75 ms a token, within a "
+        "200 ms SLO; the prefill is compute-bound, 2 x 7.6e9 x 256 FLOPs over 1.28 TFLOPS x 0.45 = 6.8 s, which "
+        "is why the TTFT SLO here is 10 s: a CPU serves short prompts or patient users. On this class of "
+        "machine `--hardware local` measures the real bandwidth and FLOPS instead of the datasheet's."),
+    "A request no runtime can meet: Llama 3.1 70B at 20 ms a token on 8 x L4": (
+        "141 GB of bf16 weights over 8 L4s is 17.6 GB a card: 73 ms a step over 300 GB/s x 0.8 before any KV or "
+        "PCIe all-reduce, so no runtime reaches 20 ms a token, and none is recommended. The alternatives are "
+        "estimated by the same model: 8-bit or 4-bit weights halve or quarter the bytes but still miss 20 ms; "
+        "16 or 32 cards split them further, but over PCIe 4.0 (32 GB/s a direction) 80 layers x 2 all-reduces "
+        "grow with every card; the SLO the fastest runtime reaches here is printed with its goodput."),
+}
 
 
 def render() -> str:
     parts = ["# Advisor examples", "",
              "Generated by `python -m advisor.examples`: each section is `servegate advise` on one scenario, "
-             "verbatim. Estimates are rooflines with the derates under Assumptions; confirm them with `--measure`.",
+             "verbatim, after a paragraph on why the answer is right and where its facts come from. Estimates are "
+             "rooflines with the derates under Assumptions; confirm them with `--measure`.",
              ""]
+    decisive: dict[tuple[str, str], dict] = {}
     for title, flags, model_id, device, gpus, workload in SCENARIOS:
         report = advise(model(model_id), hardware(device), gpus, workload)
         body = to_markdown(report).replace("# servegate advise\n", "").replace("\n## ", "\n### ")
-        parts += [f"## {title}", "", f"`servegate advise {flags}`", body]
+        parts += [f"## {title}", "", f"`servegate advise {flags}`", "", f"Why: {WHY[title]}", body]
+        for c in report.candidates:
+            for r in c.reasons:
+                if r["cell"] and r["kind"] in ("exclude", "score"):
+                    decisive[(c.name, r["cell"]["path"])] = r["cell"]
+    parts += ["## The cells these answers rest on", "",
+              "Every matrix cell that excluded or scored a runtime above, with the date its source was read.", "",
+              "| runtime | cell | status | source | checked |", "|---|---|---|---|---|",
+              *(f"| {name} | `{path}` | {cell['status']} | {cell['source']} | {cell['checked']} |"
+                for (name, path), cell in sorted(decisive.items())), ""]
     return "\n".join(parts)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
@@ -52,6 +52,8 @@ class ModelSpec:
     hidden_size: int  # the width of most decode matrix-vector rows; 0 when the config lacks it
     checkpoint_format: str  # bf16, fp8, mxfp4, or a GGUF type
     experts: Experts | None = None
+    scaled_context: int | None = None  # with the RoPE scaling its card documents (YaRN), off by default
+    scaling_note: str = ""
     weights_bytes: float | None = None  # exact, when read from the weight files
     source: str = ""
 
@@ -82,10 +84,16 @@ def catalogue() -> dict:
 def resolve(model: str) -> ModelSpec:
     entries = catalogue()["models"]
     if model in entries:
-        entry = entries[model]
-        return _from_config(model, entry["config"], source=catalogue()["sources"][entry["source"]]["ref"],
+        entry, sources = entries[model], catalogue()["sources"]
+        spec = _from_config(model, entry["config"], source=sources[entry["source"]]["ref"],
                             total=entry["params_total"], active=entry.get("params_active"),
                             checkpoint=entry.get("checkpoint_format"))
+        if scaling := entry.get("rope_scaling"):
+            native = scaling["original_max_position_embeddings"]
+            spec = replace(spec, scaled_context=int(native * scaling["factor"]), scaling_note=(
+                f"{scaling['type']} RoPE scaling, factor {scaling['factor']:g} over its native {native} tokens "
+                f"({sources[scaling['source']]['ref']})"))
+        return spec
     path = Path(model).expanduser()
     if path.suffix == ".gguf" and path.is_file():
         return _from_gguf(path)

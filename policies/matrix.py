@@ -79,6 +79,7 @@ class Memory(Cell):
     fraction_of: Literal["total", "free", "none"]  # what the runtime's memory fraction is a share of
     default_fraction: float | None = None
     fraction_by_device: Literal["sglang"] | None = None  # the default follows the device's memory instead
+    fraction_covers: Literal["all", "weights_and_kv"] = "all"  # what the runtime itself keeps outside it
     kv_dtype: str = "bf16"  # the KV cache's default element type
     compute_dtype: str | None = None  # weights are held in this type whatever the file's format
     status: Status = "yes"

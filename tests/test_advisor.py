@@ -572,3 +572,14 @@ def test_a_model_too_big_for_one_card_is_told_both_fixes():
     """A T4 was told "fits from 2 x t4" without the 8-bit weights that fit on one."""
     report = advise(resolve("meta-llama/Llama-3.1-8B-Instruct"), hardware("t4"), 1, Workload())
     assert "it fits from 2 x t4" in report.summary and "--weight-quant fp8" in report.summary
+
+
+def test_a_prompt_past_the_native_context_names_yarn_and_its_limit():
+    """A 128k prompt on Qwen3-32B (native 32k, 40,960 in its config) gave no YaRN note."""
+    report = advise(resolve("Qwen/Qwen3-32B"), hardware("h200"), 1, Workload(prompt_tokens=128000,
+                                                                              output_tokens=1000))
+    assert any("yarn RoPE scaling, factor 4" in note and "Qwen3-32B model card" in note for note in report.notes)
+    with pytest.raises(ImpossibleRequest, match="context of 131072 tokens \\(with yarn"):
+        advise(resolve("Qwen/Qwen3-32B"), hardware("h200"), 1, Workload(prompt_tokens=140000))
+    short = advise(resolve("Qwen/Qwen3-32B"), hardware("h200"), 1, Workload())
+    assert not any("RoPE" in note for note in short.notes)
