@@ -222,6 +222,31 @@ def _round_up(value: float) -> float:
     return math.ceil(value / scale) * scale
 
 
+def calibrated(derates: Derates, estimates: dict, measured: dict) -> tuple[Derates, str]:
+    """Derates learned from one measured candidate: the decode term that bound the estimate
+    (bandwidth or compute) scaled by estimated / measured TPOT, the prefill compute by estimated /
+    measured TTFT, each kept within (0, 1]; and a sentence saying so."""
+    changes, said = {}, []
+    tpot, ttft = measured.get("median_tpot_ms"), measured.get("median_ttft_ms")
+    if tpot and estimates.get("tpot_ms"):
+        name = "bandwidth" if estimates["decode_bound"] == "memory" else "decode_compute"
+        learned = getattr(derates, name) * estimates["tpot_ms"] / tpot
+        changes[name] = min(1.0, learned)
+        said.append(f"TPOT {tpot:.1f} ms measured against {estimates['tpot_ms']:.1f} estimated: {name} "
+                    f"{getattr(derates, name):g} -> {changes[name]:.3g}" + _capped(learned))
+    if ttft and estimates.get("ttft_ms"):
+        learned = derates.prefill_compute * estimates["ttft_ms"] / ttft
+        changes["prefill_compute"] = min(1.0, learned)
+        said.append(f"TTFT {ttft:.0f} ms measured against {estimates['ttft_ms']:.0f} estimated: prefill_compute "
+                    f"{derates.prefill_compute:g} -> {changes['prefill_compute']:.3g}" + _capped(learned))
+    return replace(derates, **changes), "; ".join(said)
+
+
+def _capped(learned: float) -> str:
+    return (f" (capped at 1 from {learned:.2f}: the runtime beat the device figure, so the figure or the "
+            "weight format assumed is off)") if learned > 1 else ""
+
+
 def default_derates(hardware: Hardware) -> Derates:
     """The published derates turn datasheet peaks into what kernels reach; a measured machine's
     bandwidth (`local`) is already what a kernel reached, so it is not derated again."""
@@ -381,11 +406,14 @@ def _estimates(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
     mean_context = workload.prompt_tokens + workload.output_tokens / 2
     kv_total = plan.kv_bytes_per_token * gpus
 
+    def terms(batch: int) -> tuple[float, float]:
+        return roof.decode_terms(model.weight_bytes(held, tokens=batch), batch * mean_context * kv_total,
+                                 model.params_active, batch)
+
     def tpot(batch: int) -> float:
         """A decode step: the weights its batch reads (a MoE layer's union of experts), the KV,
         and the tensor-parallel collectives, which the step waits for."""
-        return roof.decode_step(model.weight_bytes(held, tokens=batch), batch * mean_context * kv_total,
-                                model.params_active, batch) + collectives(batch)
+        return max(terms(batch)) + collectives(batch)
 
     concurrency = workload.concurrency
     # What one deployment finishes per second at its largest batch: a rate beyond it queues
@@ -417,6 +445,7 @@ def _estimates(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
         "decode_weight_gb_per_step": model.weight_bytes(held, tokens=batch) / 1e9,
         "experts_read_per_layer": model.experts.touched(batch) if model.experts else None,
         "collectives_ms_per_step": collectives(batch) * 1000,
+        "decode_bound": "memory" if terms(batch)[0] >= terms(batch)[1] else "compute",
     }
 
 

@@ -315,13 +315,17 @@ class Roofline:
     flops: float | None  # FLOP/s across the devices; None when no figure is known
     derates: Derates = Derates()
 
-    def decode_step(self, active_weight_bytes: float, kv_bytes_read: float, active_params: float,
-                    batch: int) -> float:
-        """Seconds per decode step of `batch` sequences: reading the weights once and each
-        sequence's KV (bandwidth-bound), or the batch's matmuls (compute-bound), whichever is slower."""
+    def decode_terms(self, active_weight_bytes: float, kv_bytes_read: float, active_params: float,
+                     batch: int) -> tuple[float, float]:
+        """Seconds per decode step of `batch` sequences if bound by memory (reading the weights once
+        and each sequence's KV) and if bound by compute (the batch's matmuls)."""
         memory = (active_weight_bytes + kv_bytes_read) / (self.bandwidth * self.derates.bandwidth)
         compute = 2 * active_params * batch / (self.flops * self.derates.decode_compute) if self.flops else 0.0
-        return max(memory, compute)
+        return memory, compute
+
+    def decode_step(self, *args) -> float:
+        """Seconds per decode step: the slower of the two terms."""
+        return max(self.decode_terms(*args))
 
     def prefill(self, active_params: float, tokens: int, layers: int, attention_dim: int,
                 active_weight_bytes: float) -> float | None:

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from backends.runtimes import RUNTIMES
 
-from .advise import ImpossibleRequest, Report, Workload, advise, default_derates
+from .advise import ImpossibleRequest, Report, Workload, advise, calibrated, default_derates
 from .capacity import Derates, MissingArchitectureField
 from .hardware import UnknownHardware, catalogue
 from .hardware import resolve as resolve_hardware
@@ -72,6 +72,8 @@ def advise_command(
         "--measure-config", help="servegate.yaml: measure each of its remote backends as the candidate of its "
                                  "runtime, like --measure.", exists=True)] = None,
     num_prompts: Annotated[int, typer.Option(help="Requests per --measure run.")] = 64,
+    calibrate: Annotated[bool, typer.Option(
+        "--calibrate", help="Learn the derates from the first --measure run and estimate again with them.")] = False,
     output_format: Annotated[str, typer.Option("--format", help="md | html | json")] = "md",
     output: Annotated[Path | None, typer.Option(help="Write the report here (default: stdout).")] = None,
     list_hardware: Annotated[bool, typer.Option("--list-hardware", help="List the hardware catalogue.")] = False,
@@ -109,8 +111,18 @@ def advise_command(
     except (UnknownModel, UnknownHardware, MissingArchitectureField, ImpossibleRequest, FileNotFoundError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None
-    for entry in [*(measure or ()), *(_config_entries(measure_config) if measure_config else ())]:
-        _measure(report, entry, load, num_prompts)
+    entries = [*(measure or ()), *(_config_entries(measure_config) if measure_config else ())]
+    if calibrate and not entries:
+        raise typer.BadParameter("learns from a measurement: give --measure or --measure-config",
+                                 param_hint="--calibrate")
+    measured = {entry: _measure(report, entry, load, num_prompts) for entry in entries}
+    first = next((c for c in report.candidates if c.measured and c.estimates), None)
+    if calibrate and first is not None:
+        learned, how = calibrated(derates, first.estimates, first.measured)
+        report = advise(spec, device, gpus, load, learned, runtimes.split(",") if runtimes else None)
+        report.assumptions["calibration"] = f"learned from {first.name}: {how}"
+        for entry, figures in measured.items():
+            _attach(report, entry, figures)
     text = {"md": to_markdown, "html": to_html, "json": to_json}[output_format](report)
     if output:
         output.write_text(text)
@@ -158,7 +170,7 @@ def _config_entries(path: Path) -> list[str]:
     return entries
 
 
-def _measure(report: Report, entry: str, load: Workload, num_prompts: int) -> None:
+def _measure(report: Report, entry: str, load: Workload, num_prompts: int) -> dict:
     """Benchmark one running candidate with `servegate bench`'s machinery on this workload (fixed
     concurrency, the report's SLO) and put the figures beside the estimate."""
     import asyncio
@@ -168,8 +180,7 @@ def _measure(report: Report, entry: str, load: Workload, num_prompts: int) -> No
 
     runtime, _, url = entry.partition("=")
     url, _, served = url.partition("@")
-    candidate = next((c for c in report.candidates if c.runtime == runtime), None)
-    if candidate is None or not url:
+    if not any(c.runtime == runtime for c in report.candidates) or not url:
         raise typer.BadParameter(f"{entry!r}: RUNTIME=URL[@MODEL] with RUNTIME one of "
                                  f"{', '.join(c.runtime for c in report.candidates)}", param_hint="--measure")
     opts = {"random_input_len": load.prompt_tokens, "random_output_len": load.output_tokens,
@@ -186,6 +197,13 @@ def _measure(report: Report, entry: str, load: Workload, num_prompts: int) -> No
             await target.close()
 
     figures = asyncio.run(run())
+    _attach(report, entry, figures)
+    return figures
+
+
+def _attach(report: Report, entry: str, figures: dict) -> None:
+    """A measurement beside its candidate's estimate, with how far off the estimate was."""
+    candidate = next(c for c in report.candidates if c.runtime == entry.partition("=")[0])
     estimate = candidate.estimates.get("goodput_requests_per_s")
     measured = figures.get("request_goodput") or 0.0
     candidate.measured = {key: figures.get(key) for key in (

@@ -329,12 +329,22 @@ def test_measure_benchmarks_a_live_candidate_beside_its_estimate():
 
     gguf = default_model_path()
     url = f"http://127.0.0.1:{free_port()}"
-    with server_process(llama_cpp_command(gguf, int(url.rsplit(":", 1)[1])), url, "/v1/models"):
-        result = CliRunner().invoke(app, [
-            "advise", "--model", str(gguf), "--hardware", "cpu-x86", "--runtimes", "llama-cpp,builtin",
+    args = ["advise", "--model", str(gguf), "--hardware", "cpu-x86", "--runtimes", "llama-cpp,builtin",
             "--prompt-tokens", "32", "--output-tokens", "16", "--concurrency", "1", "--num-prompts", "3",
-            "--slo-ttft-ms", "10000", "--slo-tpot-ms", "1000", "--measure", f"llama-cpp={url}", "--format", "json"])
+            "--slo-ttft-ms", "10000", "--slo-tpot-ms", "1000", "--measure", f"llama-cpp={url}", "--format", "json"]
+    with server_process(llama_cpp_command(gguf, int(url.rsplit(":", 1)[1])), url, "/v1/models"):
+        result = CliRunner().invoke(app, args)
+        learned = CliRunner().invoke(app, [*args, "--calibrate"])
     assert result.exit_code == 0, result.output
+    assert learned.exit_code == 0, learned.output
+    calibrated = json.loads(learned.stdout)
+    assert calibrated["assumptions"]["calibration"].startswith("learned from llama.cpp (llama-server): TPOT")
+    before = {c["runtime"]: c for c in json.loads(result.stdout)["candidates"]}["llama-cpp"]["estimates"]
+    after = {c["runtime"]: c for c in calibrated["candidates"]}["llama-cpp"]
+    assert after["measured"]["completed"] == 3  # the measurement stays beside the new estimate
+    # the learned derates move the estimate toward the measurement
+    assert abs(after["estimates"]["tpot_ms"] - after["measured"]["median_tpot_ms"]) <= \
+        abs(before["tpot_ms"] - after["measured"]["median_tpot_ms"]) + 1e-6
     candidates = {c["runtime"]: c for c in json.loads(result.stdout)["candidates"]}
     measured = candidates["llama-cpp"]["measured"]
     assert measured["completed"] == 3 and measured["failed"] == 0 and measured["median_tpot_ms"] > 0
@@ -470,6 +480,19 @@ def test_expert_parallelism_is_a_choice_and_its_launch_lines_carry_the_flag():
     assert "--ep-size 8" in ep["sglang"].launch["runtime_command"]
     assert "--ep_size 8" in ep["tensorrt-llm"].launch["runtime_command"]
     assert ep["tgi"].verdict == "excluded" and any(r["rule"] == "expert-parallel-missing" for r in ep["tgi"].reasons)
+
+
+def test_calibration_scales_the_term_that_bound_the_estimate():
+    from advisor.advise import calibrated
+    from advisor.capacity import Derates
+
+    memory_bound = {"tpot_ms": 40.0, "ttft_ms": 1000.0, "decode_bound": "memory"}
+    learned, how = calibrated(Derates(), memory_bound, {"median_tpot_ms": 80.0, "median_ttft_ms": 2000.0})
+    assert learned.bandwidth == pytest.approx(0.4) and learned.prefill_compute == pytest.approx(0.225)
+    assert learned.decode_compute == Derates().decode_compute and "bandwidth 0.8 -> 0.4" in how
+    compute_bound = {**memory_bound, "decode_bound": "compute"}
+    learned, how = calibrated(Derates(), compute_bound, {"median_tpot_ms": 10.0})
+    assert learned.decode_compute == 1.0 and "capped at 1 from 1.20" in how
 
 
 def test_corrected_cells():
