@@ -508,6 +508,25 @@ def test_corrected_cells():
     assert m["tensorrt-llm"].moe["expert_parallel"].flag == "--ep_size"
 
 
+def test_stale_and_unsupported_cells_were_reread():
+    """Each read differently at its source than the matrix said (sources and dates in the cells)."""
+    m = matrices()
+    assert m["sglang"].hardware["amd-cdna4"].status == "yes"  # rocm700-mi35x release images
+    assert not m["sglang"].weight_quant["gguf"].holds_on("apple-metal")  # CUDA and ROCm only
+    assert not m["sglang"].weight_quant["gguf"].holds_on("cpu-x86")
+    assert m["llama-cpp"].weight_quant["mxfp4"].status == "yes" and m["llama-cpp"].architectures["llama4"].status \
+        == "yes"  # GGML_TYPE_MXFP4, LLM_ARCH_LLAMA4
+    assert m["vllm"].hardware["aws-neuron"].status == "partial" and "vllm-neuron" in m["vllm"].hardware[
+        "aws-neuron"].note
+    assert m["lmdeploy"].features["continuous_batching"].status == "yes"
+    assert m["lmdeploy"].kv_cache["int8"].holds_on("huawei-ascend") and not m["lmdeploy"].kv_cache["int4"].holds_on(
+        "huawei-ascend")
+    assert "automatically" in m["ollama"].sources[m["ollama"].kv_cache["q8_0"].source].ref
+    for runtime, path in (("sglang", "hardware"), ("llama-cpp", "weight_quant")):
+        checked = {c.checked for p, c in m[runtime].cells() if p.startswith(path)}
+        assert "2026-12-01" in checked
+
+
 @pytest.mark.parametrize("memory_gib, tp, expected", [
     (80, 1, 0.836),  # H100: chunk 8192, graphs 256: 512 + 12288 + 512 + 128 = 13,440 MiB of 81,920
     (141, 8, 0.897),  # H200 at TP 8: graphs 512, group 1,024: 14,848 MiB of 144,384
@@ -606,3 +625,14 @@ def test_a_prompt_past_the_native_context_names_yarn_and_its_limit():
         advise(resolve("Qwen/Qwen3-32B"), hardware("h200"), 1, Workload(prompt_tokens=140000))
     short = advise(resolve("Qwen/Qwen3-32B"), hardware("h200"), 1, Workload())
     assert not any("RoPE" in note for note in short.notes)
+
+
+def test_the_examples_document_is_what_the_advisor_says_today():
+    """docs/advisor-examples.md is generated (`python -m advisor.examples`): a change to a cell, a
+    rule or the model that moves an answer must regenerate it."""
+    from pathlib import Path
+
+    from advisor.examples import SCENARIOS, WHY, render
+
+    assert len(SCENARIOS) >= 9 and set(WHY) == {s[0] for s in SCENARIOS}
+    assert (Path(__file__).resolve().parents[1] / "docs" / "advisor-examples.md").read_text() == render()
