@@ -51,14 +51,17 @@ def write_trace(path: Path, n: int, rate: float, seed: int) -> None:
 
 def vllm_bench(url: str, tokenizer: Path, trace: Path, n: int, seed: int, out: Path) -> dict:
     vllm = peers.vllm_python().parent / "vllm"
-    subprocess.run([str(vllm), "bench", "serve", "--backend", "vllm", "--base-url", url, "--model", "smollm2",
-                    "--tokenizer", str(tokenizer), "--dataset-name", "timed_trace", "--dataset-path", str(trace),
-                    "--timed-trace-sec-multiplier", "0.001", "--num-prompts", str(n), "--seed", str(seed),
-                    # greedy, as servegate's bench asks (its own default is the server's sampling)
-                    "--ignore-eos", "--temperature", "0",
-                    "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm", "--save-result",
-                    "--result-dir", str(out.parent), "--result-filename", out.name],
-                   check=True, env={**os.environ, **peers.vllm_env()}, stdout=subprocess.DEVNULL)
+    result = subprocess.run(
+        [str(vllm), "bench", "serve", "--backend", "vllm", "--base-url", url, "--model", "smollm2",
+         "--tokenizer", str(tokenizer), "--dataset-name", "timed_trace", "--dataset-path", str(trace),
+         "--timed-trace-sec-multiplier", "0.001", "--num-prompts", str(n), "--seed", str(seed),
+         # greedy, as servegate's bench asks (its own default is the server's sampling)
+         "--ignore-eos", "--temperature", "0",
+         "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm", "--save-result",
+         "--result-dir", str(out.parent), "--result-filename", out.name],
+        env={**os.environ, **peers.vllm_env()}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if result.returncode:  # its stderr only then: its import-time noise has no newline and ran into the table
+        sys.exit(f"vllm bench serve failed:\n{result.stderr[-4000:]}")
     return json.loads(out.read_text())
 
 

@@ -331,3 +331,17 @@ def test_backpressure_refuses_with_503_when_the_queue_is_full_or_too_slow(tiny_m
     assert queued.status_code == 503 and "no capacity freed within 0.5 s" in queued.json()["error"]["message"]
     assert full.status_code == 503 and "saturated" in full.json()["error"]["message"]
     assert queued.headers["retry-after"] and full.json()["error"]["code"] == "overloaded"
+
+
+def test_a_chat_prompt_is_templated_and_tokenized_once_per_request(gw, monkeypatch):
+    """The quota reservation counts the prompt's tokens; the engine then generates from those same
+    ids instead of templating and tokenizing the messages again."""
+    _, key = tenant_with_key(gw)
+    backend = gw.backends["tiny"]
+    tokenizer = backend.engine.tokenizer
+    calls, original = [], tokenizer.apply_chat_template
+    monkeypatch.setattr(tokenizer, "apply_chat_template", lambda *a, **k: calls.append(1) or original(*a, **k))
+    reply = client(gw, key).chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                                                    max_tokens=2)
+    assert reply.usage.prompt_tokens > 0 and len(calls) == 1
+    assert not backend._counted  # handed over, nothing left behind

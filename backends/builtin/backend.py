@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from .sequence import SamplingParams
 log = logging.getLogger("servegate.builtin")
 
 MAX_N = 16
+COUNTED_KEPT = 1024  # counted prompts awaiting their generate()
 
 
 class BuiltinBackend(Backend):
@@ -45,6 +47,9 @@ class BuiltinBackend(Backend):
         self.engine: LLMEngine | None = None
         self._async: AsyncLLMEngine | None = None
         self._load_error: BaseException | None = None
+        # Prompt ids counted for a quota reservation, kept for the request's generate(): a prompt
+        # is templated and tokenized once. Bounded: a request refused after counting never comes.
+        self._counted: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -81,7 +86,7 @@ class BuiltinBackend(Backend):
     # -- generation ---------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         engine, runner = self._ready()
-        prompt_ids = self._prompt_ids(engine, request)
+        prompt_ids = self._counted.pop(_prompt_key(request), None) or self._prompt_ids(engine, request)
         params = self._sampling_params(engine, request, len(prompt_ids))
         reasons: list[str | None] = [None] * params.n
         completion_tokens = cached = 0
@@ -171,12 +176,20 @@ class BuiltinBackend(Backend):
 
     async def count_prompt_tokens(self, request: GenerateRequest) -> int:
         engine, _ = self._ready()
-        return len(self._prompt_ids(engine, request))
+        ids = self._counted[_prompt_key(request)] = self._prompt_ids(engine, request)
+        while len(self._counted) > COUNTED_KEPT:
+            self._counted.popitem(last=False)
+        return len(ids)
 
     async def tokenize(self, text: str) -> list[TokenSpan]:
         engine, _ = self._ready()
         encoded = engine.tokenizer(text, return_offsets_mapping=True)
         return [TokenSpan(i, text[a:b], a, b) for i, (a, b) in zip(encoded["input_ids"], encoded["offset_mapping"])]
+
+
+def _prompt_key(request: GenerateRequest) -> tuple[str, str]:
+    """A request's prompt, whichever form it came in, under its id."""
+    return request.request_id, repr((request.prompt, request.messages, request.prompt_token_ids))
 
 
 def _plain_message(message: dict) -> dict:

@@ -69,6 +69,7 @@ class LLMEngine:
         self.computed_prompt_tokens = 0  # prefill tokens actually run through the model
         self.steps = 0
         self.slot_steps = self.live_token_steps = 0  # KV slots allocated / holding live tokens, summed over steps
+        self.live = 0  # live tokens after the last step: counted once per step, read by stats()
 
     # -- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -125,7 +126,7 @@ class LLMEngine:
             "kv_blocks_total": kv.num_blocks, "kv_blocks_used": kv.num_used, "kv_blocks_free": kv.num_free,
             "kv_blocks_cached": kv.num_cached,
             # Of the slots in allocated blocks, the fraction holding a live token (1.0 when none are).
-            "kv_live_token_fraction": self.live_tokens() / (kv.num_used * bs) if kv.num_used else 1.0,
+            "kv_live_token_fraction": self.live / (kv.num_used * bs) if kv.num_used else 1.0,
             # Summed over steps, so that a run's average is a ratio of two deltas.
             "kv_slot_steps_total": self.slot_steps, "kv_live_token_steps_total": self.live_token_steps,
             "prefix_cache_queries_total": kv.query_tokens, "prefix_cache_hits_total": kv.hit_tokens,
@@ -139,6 +140,13 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        outputs = self._run(batch)
+        self.live = self.live_tokens()  # one walk over the block tables a step, for these and stats()
+        self.slot_steps += self.kv.num_used * self.kv.block_size
+        self.live_token_steps += self.live
+        return outputs
+
+    def _run(self, batch) -> list[StepOutput]:
         if self.kv.pending_copies:
             self.runner.copy_blocks(self.kv.pending_copies)
             self.kv.pending_copies.clear()
@@ -149,8 +157,6 @@ class LLMEngine:
                 self.computed_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += n
             self.kv.cache_full_blocks(seq)
-        self.slot_steps += self.kv.num_used * self.kv.block_size
-        self.live_token_steps += self.live_tokens()
         to_sample, rows = [], []
         for row, seq in enumerate(done):
             group = [seq]
