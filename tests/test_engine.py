@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -29,6 +30,35 @@ def test_shared_1000_token_prefix_computes_only_the_suffix(make_engine, tiny_mod
     hit = engine.kv.hit_tokens
     assert hit == 992  # 62 full blocks of the shared 1,000 tokens
     assert engine.computed_prompt_tokens - before == len(b) - hit == 12
+
+
+def test_requests_sharing_a_prefix_in_one_step_compute_it_once(make_engine, tiny_model):
+    """Admitted together, the second request hits the blocks the first computes in the same step
+    (a layer writes every new token's K/V before its attention reads), as vLLM's scheduler does;
+    before, each computed the whole prefix."""
+    engine = make_engine(tiny_model, dtype="float64", max_num_batched_tokens=4096)
+    a, b = shared_prefix_prompts(1000, [[5, 6, 7], [8, 9, 10, 11]])
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    got = [o[0] for o in engine.generate([a, b], params)]
+    assert engine.steps and engine.kv.hit_tokens == 992
+    assert engine.computed_prompt_tokens == len(a) + len(b) - 992
+    reference = make_engine(tiny_model, dtype="float64", enable_prefix_caching=False)
+    assert got == [o[0] for o in reference.generate([a, b], params)]
+
+
+def test_a_failed_step_forgets_the_prefixes_it_registered(make_engine, tiny_model):
+    engine = make_engine(tiny_model, dtype="float64")
+    a, = shared_prefix_prompts(100, [[1]])
+    engine.add_request("r", a, SamplingParams(max_tokens=2, temperature=0.0))
+
+    def broken(batch):
+        raise RuntimeError("boom")
+
+    engine.runner.run = broken
+    with pytest.raises(RuntimeError):
+        engine.step()
+    assert engine.kv.num_cached == 0  # its blocks were never written: nothing may hit them
+    engine.abort("r")  # as the engine's front does for the requests of a failed step
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

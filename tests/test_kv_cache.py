@@ -13,7 +13,7 @@ def computed(kv: KVCacheManager, tokens) -> Sequence:
     s = seq(tokens)
     assert kv.allocate(s, len(s), kv.match_prefix(s))
     s.num_computed_tokens = len(s)
-    kv.cache_full_blocks(s)
+    kv.cache_full_blocks(s, s.num_computed_tokens)
     return s
 
 

@@ -10,8 +10,10 @@ to their slots. Then two paths read the cache, one call each per layer:
 - every other token (prompt chunks, or everything when the kernel is off) goes to the
   PyTorch path: each sequence's context is gathered through its block table into a padded
   batch and attended with one SDPA call under a causal mask aligned bottom-right (a chunk that
-  follows cached tokens sees all of them) that also hides padding. It is the reference the
-  kernel is tested against, and the fallback where the kernel cannot be built.
+  follows cached tokens sees all of them) that also hides padding. Chunks are grouped by length
+  (one call per power-of-two class), so a 32-token suffix that hit the prefix cache is not
+  padded to a 544-token prompt beside it. It is the reference the kernel is tested against, and
+  the fallback where the kernel cannot be built.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ class KernelPart:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
-    gather: GatherPart | None
+    gather: tuple[GatherPart, ...]  # one per class of chunk lengths
     kernel: KernelPart | None
 
     @classmethod
@@ -104,16 +106,19 @@ class AttentionMetadata:
             slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx - q_len, ctx)]
         decode = [i for i, q in enumerate(q_lens) if q == 1] if use_kernel else []
         rest = [i for i in range(len(q_lens)) if i not in set(decode)]
-        kernel = gather = None
+        kernel = None
         if decode:
             kernel = KernelPart(
                 tokens=torch.tensor([starts[i] for i in decode], device=device),
                 block_tables=_pad([block_tables[i] for i in decode]).to(device),
                 positions=torch.tensor([ctx_lens[i] - 1 for i in decode], device=device),
             )
-        if rest:
-            gather = _gather_part([q_lens[i] for i in rest], [ctx_lens[i] for i in rest],
-                                  [block_tables[i] for i in rest], [starts[i] for i in rest], block_size, device)
+        classes: dict[int, list[int]] = {}
+        for i in rest:  # chunks padded only to the longest of their class, at most twice their length
+            classes.setdefault((q_lens[i] - 1).bit_length(), []).append(i)
+        gather = tuple(_gather_part([q_lens[i] for i in group], [ctx_lens[i] for i in group],
+                                    [block_tables[i] for i in group], [starts[i] for i in group], block_size, device)
+                       for group in classes.values())
         return cls(torch.tensor(slots, device=device), gather, kernel)
 
 
@@ -157,12 +162,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
                     scale: float) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H, D]."""
     kv.write(meta.slot_mapping, k, v)
-    if meta.kernel is not None and meta.gather is None:  # a pure decode step: no reordering needed
+    if meta.kernel is not None and not meta.gather:  # a pure decode step: no reordering needed
         return kernels.paged_attention(q, kv, meta.kernel.block_tables, meta.kernel.positions, scale)
     out = torch.empty_like(q)
     if meta.kernel is not None:
         part = meta.kernel
         out[part.tokens] = kernels.paged_attention(q[part.tokens], kv, part.block_tables, part.positions, scale)
-    if meta.gather is not None:
-        out[meta.gather.tokens] = _gather_attention(q[meta.gather.tokens], kv, meta.gather, scale)
+    for part in meta.gather:
+        out[part.tokens] = _gather_attention(q[part.tokens], kv, part, scale)
     return out

@@ -140,7 +140,12 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        outputs = self._run(batch)
+        try:
+            outputs = self._run(batch)
+        except BaseException:
+            # Blocks registered for this step were never written: forget every cached prefix.
+            self.kv.reset_prefix_cache()
+            raise
         self.live = self.live_tokens()  # one walk over the block tables a step, for these and stats()
         self.slot_steps += self.kv.num_used * self.kv.block_size
         self.live_token_steps += self.live
@@ -156,7 +161,6 @@ class LLMEngine:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.computed_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += n
-            self.kv.cache_full_blocks(seq)
         to_sample, rows = [], []
         for row, seq in enumerate(done):
             group = [seq]

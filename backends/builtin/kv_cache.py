@@ -4,7 +4,8 @@ Invariants:
 - A block is either in use (`ref_count > 0`, in no free list) or free (`ref_count == 0`):
   free blocks holding a cached prefix sit in `cached_free` in LRU order (oldest first), the
   others in `plain_free`. So a cached block is evicted only when no plain block is left.
-- Only full, computed blocks are hashed. A block's hash chains its parent's hash with its own
+- Only full blocks are hashed, computed or being computed in the current step. A block's hash
+  chains its parent's hash with its own
   token ids, so equal hashes mean equal prefixes; the stored key guards against collisions.
 - A block is written only while its owner is its sole user: a shared partial block (left by
   a fork for `n > 1`) is copied before the write (`pending_copies`, done by the model runner).
@@ -85,11 +86,14 @@ class KVCacheManager:
             hits.append(block_id)
         return hits
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks of `seq` that are full and computed, so later requests can hit them."""
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Register the blocks of `seq` that its first `num_tokens` tokens fill, so later requests
+        can hit them. The scheduler registers them when it schedules their computation: a request
+        admitted later in the same step shares them, because a step writes every new token's K/V
+        of a layer before any attention of that layer reads the cache."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = num_tokens // self.block_size
         self._hash_blocks(seq, num_full)
         for i in range(seq.num_registered_blocks, num_full):
             h, block = seq.block_hashes[i], self.blocks[seq.block_table[i]]

@@ -2,7 +2,9 @@
 
 One token budget per step. Running sequences go first, oldest first (a decode needs one
 token, an unfinished chunked prefill the rest of its prompt up to the budget); waiting
-sequences are then admitted in arrival order into what is left, their prompts chunked to fit.
+sequences are then admitted in arrival order into what is left, their prompts chunked to fit;
+the full blocks a step will compute are in the prefix cache at once, so a request admitted after
+another with the same prefix, even in the same step, computes only what differs.
 When the KV cache runs out, the newest running sequence is preempted: its blocks are freed
 and it goes back to the front of the waiting queue to be recomputed later (its cached full
 blocks usually make that cheap). Nothing it generated is lost: its tokens stay in the sequence.
@@ -61,8 +63,7 @@ class Scheduler:
                 if seq.status is Status.WAITING:  # it preempted itself
                     break
             else:
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(n)
+                self._scheduled(batch, seq, n)
                 budget -= n
                 i += 1
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -77,10 +78,14 @@ class Scheduler:
                 self.num_admitted += 1
             seq.status = Status.RUNNING
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
+            self._scheduled(batch, seq, n)
             budget -= n
         return batch
+
+    def _scheduled(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(n)
+        self.kv.cache_full_blocks(seq, seq.num_computed_tokens + n)  # the rest of this step may hit them
 
     def _preempt(self, seq: Sequence) -> None:
         self.recomputed_tokens += seq.num_computed_tokens
