@@ -5,8 +5,8 @@ Invariants:
   free blocks holding a cached prefix sit in `cached_free` in LRU order (oldest first), the
   others in `plain_free`. So a cached block is evicted only when no plain block is left.
 - Only full blocks are hashed, computed or being computed in the current step. A block's hash
-  chains its parent's hash with its own
-  token ids, so equal hashes mean equal prefixes; the stored key guards against collisions.
+  chains its parent's hash with its own token ids, so equal hashes mean equal prefixes; the
+  stored key guards against collisions.
 - A block is written only while its owner is its sole user: a shared partial block (left by
   a fork for `n > 1`) is copied before the write (`pending_copies`, done by the model runner).
 """
