@@ -34,6 +34,8 @@ static inline float exp_nonpositive(float x) {
   return e * scale;
 }
 
+constexpr int64_t kMaxGroup = 4;  // query heads per KV head whose value sums are kept at once
+
 // Attention of one query token (all its heads) over keys 0..position of its sequence, reading
 // the cache block by block through the sequence's block table.
 // With an int8 cache, `k_scales`/`v_scales` hold one float per (slot, KV head); else they are null.
@@ -81,20 +83,28 @@ static void attend(const float* q, const scalar_t* key_cache, const scalar_t* va
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j) s[j] *= inv;
   }
-  // Pass 3: weighted values, one head at a time so its accumulator stays in registers.
-  for (int64_t h = 0; h < heads; ++h) {
-    float acc[D] = {};
-    const float* w = scores.data() + h * len;
-    for (int64_t b = 0, j = 0; b < blocks; ++b) {
-      const scalar_t* v_block = value_cache + table[b] * block_size * slot_stride + (h / group) * D;
-      for (int64_t i = 0; i < block_size && j < len; ++i, ++j) {
-        const scalar_t* v = v_block + i * slot_stride;
-        const float wj = v_scales ? w[j] * v_scales[(table[b] * block_size + i) * kv_heads + h / group] : w[j];
+  // Pass 3: weighted values, one KV head at a time: its row is widened once for the query heads
+  // that share it, whose accumulators (up to kMaxGroup of them) stay in registers.
+  for (int64_t g = 0; g < kv_heads; ++g) {
+    for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += kMaxGroup) {
+      const int64_t n = std::min<int64_t>(kMaxGroup, (g + 1) * group - h0);
+      float acc[kMaxGroup][D] = {};
+      for (int64_t b = 0, j = 0; b < blocks; ++b) {
+        const scalar_t* v_block = value_cache + table[b] * block_size * slot_stride + g * D;
+        for (int64_t i = 0; i < block_size && j < len; ++i, ++j) {
+          const scalar_t* v = v_block + i * slot_stride;
+          const float v_scale = v_scales ? v_scales[(table[b] * block_size + i) * kv_heads + g] : 1.f;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) acc[d] += wj * static_cast<float>(v[d]);
+          for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(v[d]) * v_scale;
+          for (int64_t k = 0; k < n; ++k) {
+            const float wj = scores[(h0 + k) * len + j];
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) acc[k][d] += wj * row[d];
+          }
+        }
       }
+      for (int64_t k = 0; k < n; ++k) std::copy(acc[k], acc[k] + D, out + (h0 + k) * D);
     }
-    std::copy(acc, acc + D, out + h * D);
   }
 }
 
