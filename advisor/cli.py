@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
@@ -189,7 +190,7 @@ def _measure(report: Report, entry: str, load: Workload, num_prompts: int) -> di
     slo = {"ttft": load.slo_ttft_ms, "tpot": load.slo_tpot_ms}
 
     async def run() -> dict:
-        target = make_target(url, "openai", None, served or None, None)
+        target = make_target(url, "openai", None, served or None, os.environ.get("OPENAI_API_KEY"))
         await target.prepare()
         try:
             return await run_once(target, conversations, math.inf, 1.0, 0, load.concurrency, 1, slo, False)

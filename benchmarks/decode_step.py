@@ -72,6 +72,30 @@ def decode_step_ms(engine: LLMEngine, batch: int, context: int, steps: int, arou
     return elapsed
 
 
+def kernel_ms(engine: LLMEngine, batch: int, context: int, repeat: int) -> float | None:
+    """The native paged-attention kernel alone over every layer's worth of one step: `batch` query
+    tokens with `context` keys each, in the engine's dtype; None where the kernel is off."""
+    from backends.builtin import kernels
+    from backends.builtin.attention import LayerKV
+
+    if not engine.runner.use_kernel:
+        return None
+    cfg, block_size = engine.loaded.config, engine.config.block_size
+    blocks = -(-context // block_size)
+    cache = LayerKV.allocate(batch * blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
+                             engine.runner.dtype, torch.device("cpu"), False)
+    cache.data.normal_()
+    tables = torch.arange(batch * blocks).view(batch, blocks)
+    positions = torch.full((batch,), context - 1)
+    q = torch.randn(batch, cfg.num_attention_heads, cfg.head_dim, dtype=engine.runner.dtype)
+
+    def layers():
+        for _ in range(cfg.num_hidden_layers):
+            kernels.paged_attention(q, cache, tables, positions, cfg.head_dim**-0.5)
+
+    return min(timed(layers, repeat) for _ in range(5)) * 1000
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, default=32)
@@ -96,6 +120,10 @@ def main() -> None:
     print(f"decode step ({kind}, {engine.runner.dtype}), batch {args.batch}, context {args.context}: {step:.1f} ms")
     print(f"bound: bare GEMMs {gemm:.1f} ms + contiguous attention {attention:.1f} ms = {bound:.1f} ms")
     print(f"ratio: {step / bound:.2f}x")
+    kernel = kernel_ms(engine, args.batch, args.context, args.steps)
+    if kernel is not None:
+        print(f"of which the attention kernel alone, {engine.runner.model.config.num_hidden_layers} layers: "
+              f"{kernel:.1f} ms (best of 5)")
 
 
 if __name__ == "__main__":

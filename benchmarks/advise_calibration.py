@@ -1,0 +1,71 @@
+"""`servegate advise --measure ... --calibrate` against the live vLLM CPU build and the built-in
+engine on this machine: the estimate, the measurement, and the estimate again with the derates
+learned from it.
+
+    python benchmarks/advise_calibration.py [--concurrency 4] [--num-prompts 16]
+
+Both serve the default model (vLLM its Hugging Face directory, bf16; `servegate serve` the GGUF,
+`--dtype auto`), one after the other; `--hardware local` measures this CPU first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from advisor.bench.baselines import free_port, servegate_command, servegate_env  # noqa: E402
+from backends import peers  # noqa: E402
+from backends.builtin.loader import default_model_path, gguf_to_hf_dir  # noqa: E402
+from backends.launch import supervised  # noqa: E402
+
+
+def advise(model: Path, runtime: str, url: str, args, env: dict[str, str], calibrate: bool) -> dict:
+    command = [sys.executable, "-m", "gateway", "advise", "--model", str(model), "--hardware", "local",
+               "--runtimes", runtime, "--prompt-tokens", str(args.prompt_tokens), "--output-tokens",
+               str(args.output_tokens), "--concurrency", str(args.concurrency), "--num-prompts", str(args.num_prompts),
+               "--slo-ttft-ms", "10000", "--slo-tpot-ms", "1000", "--measure", url, "--format", "json"]
+    out = subprocess.run(command + (["--calibrate"] if calibrate else []), check=True, capture_output=True,
+                         text=True, env={**os.environ, **env}).stdout
+    return json.loads(out)
+
+
+def row(label: str, report: dict) -> str:
+    c = report["candidates"][0]
+    e, m = c["estimates"], c["measured"]
+    return (f"| {label} | {e['ttft_ms']:.0f} | {e['tpot_ms']:.1f} | {m['median_ttft_ms']:.0f} | "
+            f"{m['median_tpot_ms']:.1f} | {report['assumptions'].get('calibration', '')} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    args = parser.parse_args()
+    gguf = default_model_path()
+    hf = gguf_to_hf_dir(gguf)
+    print("| run | estimated TTFT ms | estimated TPOT ms | measured TTFT ms | measured TPOT ms | learned |")
+    print("|---|---|---|---|---|---|")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with supervised(peers.vllm_command(hf, port, "smollm2"), url, "/health", peers.vllm_env(), 900):
+        for calibrate in (False, True):
+            report = advise(hf, "vllm", f"vllm={url}@smollm2", args, {}, calibrate)
+            print(row("vLLM, calibrated" if calibrate else "vLLM", report), flush=True)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with servegate_env() as (env, key), supervised(servegate_command(port), url, "/ready", env, 900):
+        for calibrate in (False, True):
+            report = advise(gguf, "builtin", f"builtin={url}", args, {"OPENAI_API_KEY": key}, calibrate)
+            print(row("servegate built-in, calibrated" if calibrate else "servegate built-in", report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
