@@ -25,21 +25,33 @@ from backends.builtin.loader import default_model_path, gguf_to_hf_dir  # noqa: 
 from backends.launch import supervised  # noqa: E402
 
 
-def advise(model: Path, runtime: str, url: str, args, env: dict[str, str], calibrate: bool) -> dict:
+def advise(model: Path, runtime: str, args, env: dict[str, str], measure: str | None = None) -> dict:
+    """The report; with `measure`, measured once and calibrated from that measurement."""
     command = [sys.executable, "-m", "gateway", "advise", "--model", str(model), "--hardware", "local",
                "--runtimes", runtime, "--prompt-tokens", str(args.prompt_tokens), "--output-tokens",
                str(args.output_tokens), "--concurrency", str(args.concurrency), "--num-prompts", str(args.num_prompts),
-               "--slo-ttft-ms", "10000", "--slo-tpot-ms", "1000", "--measure", url, "--format", "json"]
-    out = subprocess.run(command + (["--calibrate"] if calibrate else []), check=True, capture_output=True,
-                         text=True, env={**os.environ, **env}).stdout
+               "--slo-ttft-ms", "10000", "--slo-tpot-ms", "1000", "--format", "json"]
+    if measure:
+        command += ["--measure", measure, "--calibrate"]
+    out = subprocess.run(command, check=True, capture_output=True, text=True, env={**os.environ, **env}).stdout
     return json.loads(out)
 
 
-def row(label: str, report: dict) -> str:
-    c = report["candidates"][0]
-    e, m = c["estimates"], c["measured"]
-    return (f"| {label} | {e['ttft_ms']:.0f} | {e['tpot_ms']:.1f} | {m['median_ttft_ms']:.0f} | "
-            f"{m['median_tpot_ms']:.1f} | {report['assumptions'].get('calibration', '')} |")
+def warm_up(url: str, env: dict[str, str], args) -> None:
+    """Other prompts than the measured ones (a different seed): the server compiles its batch
+    shapes now, and the measurement finds nothing of them in its prefix cache."""
+    subprocess.run([sys.executable, "-m", "gateway", "bench", "--base-url", url, "--dataset", "random",
+                    "--random-input-len", str(args.prompt_tokens), "--random-output-len", str(args.output_tokens),
+                    "--num-prompts", str(2 * args.concurrency), "--max-concurrency", str(args.concurrency),
+                    "--seed", "99"], check=True, stdout=subprocess.DEVNULL, env={**os.environ, **env})
+
+
+def rows(name: str, before: dict, after: dict) -> list[str]:
+    e0, c = before["candidates"][0]["estimates"], after["candidates"][0]
+    e1, m = c["estimates"], c["measured"]
+    return [f"| {name} | {e0['ttft_ms']:.0f} | {e0['tpot_ms']:.1f} | {m['median_ttft_ms']:.0f} | "
+            f"{m['median_tpot_ms']:.1f} | {e1['ttft_ms']:.0f} | {e1['tpot_ms']:.1f} |",
+            f"| | {after['assumptions']['calibration']} |"]
 
 
 def main() -> None:
@@ -51,21 +63,22 @@ def main() -> None:
     args = parser.parse_args()
     gguf = default_model_path()
     hf = gguf_to_hf_dir(gguf)
-    print("| run | estimated TTFT ms | estimated TPOT ms | measured TTFT ms | measured TPOT ms | learned |")
-    print("|---|---|---|---|---|---|")
+    print("| runtime | estimated TTFT ms | estimated TPOT ms | measured TTFT ms | measured TPOT ms | "
+          "calibrated TTFT ms | calibrated TPOT ms |")
+    print("|---|---|---|---|---|---|---|")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with supervised(peers.vllm_command(hf, port, "smollm2"), url, "/health", peers.vllm_env(), 900):
-        for calibrate in (False, True):
-            report = advise(hf, "vllm", f"vllm={url}@smollm2", args, {}, calibrate)
-            print(row("vLLM, calibrated" if calibrate else "vLLM", report), flush=True)
+        warm_up(url, {}, args)
+        print(*rows("vLLM", advise(hf, "vllm", args, {}), advise(hf, "vllm", args, {}, f"vllm={url}@smollm2")),
+              sep="\n", flush=True)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with servegate_env() as (env, key), supervised(servegate_command(port), url, "/ready", env, 900):
-        for calibrate in (False, True):
-            report = advise(gguf, "builtin", f"builtin={url}", args, {"OPENAI_API_KEY": key}, calibrate)
-            print(row("servegate built-in, calibrated" if calibrate else "servegate built-in", report), flush=True)
-
+        env = {"OPENAI_API_KEY": key}
+        warm_up(url, env, args)
+        print(*rows("servegate built-in", advise(gguf, "builtin", args, env),
+                    advise(gguf, "builtin", args, env, f"builtin={url}")), sep="\n", flush=True)
 
 if __name__ == "__main__":
     main()
