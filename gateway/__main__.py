@@ -1,3 +1,4 @@
 from .cli import app
 
-app()
+if __name__ == "__main__":  # the engine-core process re-imports this module under spawn
+    app()

@@ -123,7 +123,8 @@ def test_trace_lines_are_checked(tmp_path, default_model):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    backend = BuiltinBackend(EngineConfig(model=str(tiny_model_dir), dtype="float64", served_name="tiny"))
+    backend = BuiltinBackend(EngineConfig(model=str(tiny_model_dir), dtype="float64", served_name="tiny",
+                                          engine_process=False))  # its engine is read below
     with serve_app(gateway_app({"tiny": backend}, tmp_path_factory.mktemp("gw"))) as url:
         wait_ready(url)
         yield url, backend

@@ -66,7 +66,7 @@ class Target:
 @contextlib.contextmanager
 def target_of(kind: str, tmp_path_factory):
     if kind == "builtin":
-        backend = BuiltinBackend(EngineConfig())
+        backend = BuiltinBackend(EngineConfig(engine_process=False))  # its engine is checked for leaks
         asyncio.run(backend.start())
         yield Target(backend, backend.engine)
         asyncio.run(backend.close())
@@ -102,7 +102,7 @@ def target_of(kind: str, tmp_path_factory):
             yield Target(adapter(OpenAICompatConfig(base_url=url, model=fixture["model"])), tokenized=recorded,
                          replayed=True)
     else:  # tgi-protocol
-        engine_backend = BuiltinBackend(EngineConfig())
+        engine_backend = BuiltinBackend(EngineConfig(engine_process=False))
         app = gateway_app({engine_backend.model_id: engine_backend}, tmp_path_factory.mktemp("tgi-target"))
         with serve_app(app) as url:
             wait_ready(url)

@@ -224,3 +224,58 @@ async def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(make_engi
         assert len(outputs) == 4 and outputs[-1].finish_reason == "length"
     finally:
         front.shutdown()
+
+
+def test_the_engine_core_in_its_own_process_serves_aborts_and_fails_cleanly(tiny_model_dir):
+    """`engine_process` (the default): the same greedy text as the engine on a thread; an abandoned
+    stream is aborted in the core; a core that dies fails the open stream and reports DOWN."""
+    import asyncio
+
+    from backends.base import Delta, GenerateRequest, Health, UpstreamError
+    from backends.builtin import BuiltinBackend, EngineConfig
+
+    def config(process: bool) -> EngineConfig:
+        return EngineConfig(model=str(tiny_model_dir), dtype="float64", kv_cache_tokens=2048, engine_process=process)
+
+    async def text(backend, request_id: str, **fields) -> str:
+        request = GenerateRequest(request_id=request_id, model="m", prompt="Count with me:", temperature=0.0, **fields)
+        return "".join([e.text async for e in backend.generate(request) if isinstance(e, Delta)])
+
+    async def scenario():
+        threaded, process = BuiltinBackend(config(False)), BuiltinBackend(config(True))
+        await asyncio.gather(threaded.start(), process.start())
+        try:
+            assert process.engine is None and process.info.vocab_size == threaded.info.vocab_size
+            assert await text(process, "a", max_tokens=8) == await text(threaded, "a", max_tokens=8)
+            stream = process.generate(GenerateRequest(request_id="b", model="m", prompt="Count with me:",
+                                                      max_tokens=200, temperature=0.0, ignore_eos=True))
+            await anext(stream)
+            await stream.aclose()  # the client left
+            for _ in range(100):
+                if (await process.load()).running == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert (await process.load()).running == 0
+            stream = process.generate(GenerateRequest(request_id="c", model="m", prompt="Count with me:",
+                                                      max_tokens=500, temperature=0.0, ignore_eos=True))
+            await anext(stream)
+            process._front._process.kill()
+            with pytest.raises(UpstreamError, match="engine process exited"):
+                async for _ in stream:
+                    pass
+            assert await process.health() is Health.DOWN
+        finally:
+            await asyncio.gather(threaded.close(), process.close())
+
+    asyncio.run(scenario())
+
+
+def test_an_engine_process_that_cannot_load_says_why(tmp_path):
+    import asyncio
+
+    from backends.builtin import BuiltinBackend, EngineConfig
+
+    missing = tmp_path / "nothing.gguf"
+    backend = BuiltinBackend(EngineConfig(model=str(missing), engine_process=True))
+    with pytest.raises(FileNotFoundError, match="model not found"):
+        asyncio.run(backend.start())

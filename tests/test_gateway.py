@@ -27,7 +27,7 @@ PROMPT = "Count with me:"
 
 def tiny_backend(tiny_model_dir, name: str = "tiny") -> BuiltinBackend:
     return BuiltinBackend(EngineConfig(model=str(tiny_model_dir), dtype="float64", served_name=name,
-                                       kv_cache_tokens=4096))
+                                       kv_cache_tokens=4096, engine_process=False))  # tests read its engine
 
 
 @pytest.fixture(scope="module")
@@ -338,7 +338,7 @@ def test_a_chat_prompt_is_templated_and_tokenized_once_per_request(gw, monkeypat
     ids instead of templating and tokenizing the messages again."""
     _, key = tenant_with_key(gw)
     backend = gw.backends["tiny"]
-    tokenizer = backend.engine.tokenizer
+    tokenizer = backend.tokenizer
     calls, original = [], tokenizer.apply_chat_template
     monkeypatch.setattr(tokenizer, "apply_chat_template", lambda *a, **k: calls.append(1) or original(*a, **k))
     earlier = set(backend._counted)  # requests refused after counting (quotas) leave theirs until evicted

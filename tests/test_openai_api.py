@@ -24,7 +24,7 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def backend():
-    return BuiltinBackend(EngineConfig())
+    return BuiltinBackend(EngineConfig(engine_process=False))  # the tests read its engine
 
 
 @pytest.fixture(scope="module")

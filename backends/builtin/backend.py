@@ -26,8 +26,9 @@ from ..base import (
     servegate_version,
 )
 from .config import EngineConfig
-from .engine import AsyncLLMEngine, LLMEngine
-from .loader import default_model_path, model_name
+from .core import CoreInfo, EngineProcess
+from .engine import AsyncLLMEngine, EngineFront, LLMEngine, check_request
+from .loader import default_model_path, load_tokenizer, model_dir, model_name
 from .sequence import SamplingParams
 
 log = logging.getLogger("servegate.builtin")
@@ -44,8 +45,10 @@ class BuiltinBackend(Backend):
     def __init__(self, config: EngineConfig | None = None, name: str = "builtin") -> None:
         self.name = name
         self.config = config or EngineConfig()
-        self.engine: LLMEngine | None = None
-        self._async: AsyncLLMEngine | None = None
+        self.engine: LLMEngine | None = None  # in this process (a thread steps it), else None
+        self._front: EngineFront | None = None
+        self.info: CoreInfo | None = None
+        self.tokenizer = None
         self._load_error: BaseException | None = None
         # Prompt ids counted for a quota reservation, kept for the request's generate(): a prompt
         # is templated and tokenized once. Bounded: a request refused after counting never comes.
@@ -54,43 +57,52 @@ class BuiltinBackend(Backend):
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
         try:
-            engine = await asyncio.to_thread(LLMEngine, self.config)
+            if self.config.engine_process:
+                directory = await asyncio.to_thread(model_dir, self.config.model or None, self.config.cache_dir)
+                self.tokenizer = await asyncio.to_thread(load_tokenizer, directory)
+                front = await asyncio.to_thread(EngineProcess, self.config)
+                self.info = front.info
+            else:
+                self.engine = await asyncio.to_thread(LLMEngine, self.config)
+                front, self.info, self.tokenizer = AsyncLLMEngine(self.engine), CoreInfo.of(self.engine), \
+                    self.engine.tokenizer
         except BaseException as exc:
             self._load_error = exc
             raise
-        self.engine, self._async = engine, AsyncLLMEngine(engine)
-        log.info("model %s loaded: %s (%s), max context %d, %d KV blocks of %d tokens", self.model_id,
-                 self.dtype, engine.runner.dtype_reason, engine.max_model_len, engine.kv.num_blocks,
-                 engine.kv.block_size)
+        self._front = front
+        info = self.info
+        log.info("model %s loaded: %s (%s), max context %d, %d KV blocks of %d tokens, engine %s", self.model_id,
+                 info.dtype, info.dtype_reason, info.max_model_len, info.num_blocks, info.block_size,
+                 "in its own process" if self.config.engine_process else "on a thread")
 
     @property
     def dtype(self) -> str | None:
         """The dtype the engine runs in (what `auto` chose), once loaded."""
-        return str(self.engine.runner.dtype).removeprefix("torch.") if self.engine else None
+        return self.info.dtype if self.info else None
 
     async def close(self) -> None:
-        if self._async is not None:
-            self._async.shutdown()
+        if self._front is not None:
+            self._front.shutdown()
 
     @property
     def model_id(self) -> str:
         source = Path(self.config.model) if self.config.model else default_model_path()
         return self.config.served_name or model_name(source)
 
-    def _ready(self) -> tuple[LLMEngine, AsyncLLMEngine]:
-        if self.engine is None or self._async is None:
+    def _ready(self) -> tuple[CoreInfo, EngineFront]:
+        if self._front is None:
             raise Unavailable("the model is still loading" if self._load_error is None else
                               f"the model failed to load: {self._load_error}")
-        return self.engine, self._async
+        return self.info, self._front
 
     # -- generation ---------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        engine, runner = self._ready()
-        prompt_ids = self._counted.pop(_prompt_key(request), None) or self._prompt_ids(engine, request)
-        params = self._sampling_params(engine, request, len(prompt_ids))
+        info, front = self._ready()
+        prompt_ids = self._counted.pop(_prompt_key(request), None) or self._prompt_ids(info, request)
+        params = self._sampling_params(info, request, len(prompt_ids))
         reasons: list[str | None] = [None] * params.n
         completion_tokens = cached = 0
-        async for out in runner.stream(request.request_id, prompt_ids, params, request.stop):
+        async for out in front.stream(request.request_id, prompt_ids, params, request.stop):
             completion_tokens += len(out.token_ids)
             cached = max(cached, out.num_cached_tokens)
             if out.finish_reason:
@@ -98,13 +110,13 @@ class BuiltinBackend(Backend):
             yield Delta(out.index, out.text, out.token_ids, out.finish_reason)
         yield Finish(tuple(reasons), Usage(len(prompt_ids), completion_tokens, cached))
 
-    def _prompt_ids(self, engine: LLMEngine, request: GenerateRequest) -> list[int]:
-        tokenizer = engine.tokenizer
+    def _prompt_ids(self, info: CoreInfo, request: GenerateRequest) -> list[int]:
+        tokenizer = self.tokenizer
         if request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
-            bad = [t for t in ids if not 0 <= t < engine.loaded.config.vocab_size]
+            bad = [t for t in ids if not 0 <= t < info.vocab_size]
             if bad:
-                vocab = engine.loaded.config.vocab_size
+                vocab = info.vocab_size
                 raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt")
             return ids
         if request.prompt is not None:
@@ -116,7 +128,7 @@ class BuiltinBackend(Backend):
             raise InvalidRequest(f"the chat template cannot render these messages: {exc}", param="messages") from exc
         return tokenizer.encode(text, add_special_tokens=False)  # the template holds any special tokens
 
-    def _sampling_params(self, engine: LLMEngine, request: GenerateRequest, num_prompt_tokens: int) -> SamplingParams:
+    def _sampling_params(self, info: CoreInfo, request: GenerateRequest, num_prompt_tokens: int) -> SamplingParams:
         request = self.admit_extras(request)  # whoever calls the engine directly gets the same refusal
         if request.max_tokens is not None and request.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
@@ -132,7 +144,7 @@ class BuiltinBackend(Backend):
             raise InvalidRequest("n > 1 needs sampling (temperature >= 1e-5): greedy choices would be identical",
                                  param="n")
         try:
-            max_tokens = engine.check_request(num_prompt_tokens, request.max_tokens)
+            max_tokens = check_request(info.max_model_len, num_prompt_tokens, request.max_tokens)
         except OverflowError as exc:
             raise ContextTooLong(str(exc), param="messages" if request.messages else "prompt") from exc
         except ValueError as exc:
@@ -145,10 +157,9 @@ class BuiltinBackend(Backend):
 
     # -- introspection ------------------------------------------------------------------
     async def capabilities(self) -> Capabilities:
-        engine = self.engine
         return Capabilities(
             runtime="builtin", version=servegate_version(), model=self.model_id,
-            max_context=engine.max_model_len if engine else 0,
+            max_context=self.info.max_model_len if self.info else 0,
             prefix_caching=self.config.enable_prefix_caching,
             dtype=self.dtype,
             kv_dtype=self.dtype if self.config.kv_cache_dtype == "auto" else self.config.kv_cache_dtype,
@@ -159,14 +170,14 @@ class BuiltinBackend(Backend):
     async def health(self) -> Health:
         if self._load_error is not None:
             return Health.DOWN
-        if self.engine is None:
+        if self._front is None:
             return Health.LOADING
-        return Health.READY if self._async.alive else Health.DOWN
+        return Health.READY if self._front.alive else Health.DOWN
 
     async def load(self) -> Load:
-        if self._async is None:
+        if self._front is None:
             return Load()
-        stats = self._async.stats
+        stats = self._front.stats
         queries = stats["prefix_cache_queries_total"]
         return Load(
             running=stats["running"], waiting=stats["waiting"],
@@ -175,15 +186,15 @@ class BuiltinBackend(Backend):
         )
 
     async def count_prompt_tokens(self, request: GenerateRequest) -> int:
-        engine, _ = self._ready()
-        ids = self._counted[_prompt_key(request)] = self._prompt_ids(engine, request)
+        info, _ = self._ready()
+        ids = self._counted[_prompt_key(request)] = self._prompt_ids(info, request)
         while len(self._counted) > COUNTED_KEPT:
             self._counted.popitem(last=False)
         return len(ids)
 
     async def tokenize(self, text: str) -> list[TokenSpan]:
-        engine, _ = self._ready()
-        encoded = engine.tokenizer(text, return_offsets_mapping=True)
+        self._ready()
+        encoded = self.tokenizer(text, return_offsets_mapping=True)
         return [TokenSpan(i, text[a:b], a, b) for i, (a, b) in zip(encoded["input_ids"], encoded["offset_mapping"])]
 
 

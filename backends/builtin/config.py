@@ -37,6 +37,9 @@ class EngineConfig:
     attention: Literal["auto", "native", "torch"] = _help(
         "Decode attention: auto (the native kernel where it builds) | native | torch.", "auto")
     cache_dir: str | None = _help("Converted-weights cache (default: ~/.cache/servegate).", None)
+    engine_process: bool = _help("Step the engine in a process of its own (vLLM v1's engine-core split), "
+                                 "so HTTP work never holds up a step; else on a thread of this process.",
+                                 True, "--engine-process/--no-engine-process")
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(EngineConfig)

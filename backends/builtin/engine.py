@@ -50,6 +50,27 @@ class Request:
         self.unfinished = self.params.n
 
 
+def check_request(limit: int, num_prompt_tokens: int, max_tokens: int | None) -> int:
+    """A request's effective max_tokens under a context of `limit` tokens, or ValueError naming
+    what does not fit (OverflowError when it is the context)."""
+    if num_prompt_tokens == 0:
+        raise ValueError("the prompt is empty")
+    if num_prompt_tokens >= limit:
+        raise OverflowError(
+            f"This model's maximum context length is {limit} tokens. However, your prompt has "
+            f"{num_prompt_tokens} tokens, leaving no room for output."
+        )
+    if max_tokens is None:
+        return limit - num_prompt_tokens
+    if num_prompt_tokens + max_tokens > limit:
+        raise OverflowError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+            f"{max_tokens} for the completion). Please reduce the prompt or max_tokens."
+        )
+    return max_tokens
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
@@ -82,24 +103,7 @@ class LLMEngine:
         self.scheduler.add(Sequence(list(prompt_ids), params, request_id))
 
     def check_request(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
-        """The request's effective max_tokens, or ValueError naming what does not fit."""
-        limit = self.max_model_len
-        if num_prompt_tokens == 0:
-            raise ValueError("the prompt is empty")
-        if num_prompt_tokens >= limit:
-            raise OverflowError(
-                f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                f"{num_prompt_tokens} tokens, leaving no room for output."
-            )
-        if max_tokens is None:
-            return limit - num_prompt_tokens
-        if num_prompt_tokens + max_tokens > limit:
-            raise OverflowError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
-                f"{max_tokens} for the completion). Please reduce the prompt or max_tokens."
-            )
-        return max_tokens
+        return check_request(self.max_model_len, num_prompt_tokens, max_tokens)
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
@@ -212,18 +216,14 @@ class LLMEngine:
         return [outputs[rid] for rid in ids]
 
 
-class AsyncLLMEngine:
-    """Runs `LLMEngine` steps on a background thread; each request gets an asyncio queue."""
+class EngineFront:
+    """Each request's asyncio queue over an engine that steps elsewhere (a thread of this process,
+    or the engine-core process): requests and aborts go in as commands, taking effect at the next
+    step boundary; outputs come back to their streams."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self) -> None:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._wake = threading.Event()
-        self._stopped = False
-        self.stats = engine.stats()  # a snapshot, refreshed by the engine thread at every step boundary
-        self._thread = threading.Thread(target=self._loop, name="servegate-engine", daemon=True)
-        self._thread.start()
+        self.stats: dict[str, float] = {}  # the engine's figures, refreshed at every step boundary
 
     async def stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      stop: Iterable[str] = ()) -> AsyncIterator[StepOutput | BaseException]:
@@ -244,6 +244,61 @@ class AsyncLLMEngine:
             if remaining:
                 self._send(("abort", request_id))
 
+    def _deliver(self, request_id: str, item: StepOutput | BaseException) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, out = target
+            loop.call_soon_threadsafe(out.put_nowait, item)
+
+    def _send(self, command: tuple) -> None:
+        raise NotImplementedError
+
+    @property
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+
+def run_command(engine: LLMEngine, command: tuple) -> str | None:
+    """Apply one front command to the engine; a request it refuses (a duplicate id) is returned."""
+    if command[0] == "add":
+        _, request_id, prompt_ids, params, stop = command
+        try:
+            engine.add_request(request_id, prompt_ids, params, stop)
+        except ValueError:
+            return request_id
+    else:
+        engine.abort(command[1])
+    return None
+
+
+def step_or_fail(engine: LLMEngine) -> tuple[list[StepOutput], list[str], str]:
+    """One step: its outputs, or, when it raises, the requests it failed (aborted) and why."""
+    try:
+        return engine.step(), [], ""
+    except Exception as exc:  # a broken step fails the requests in it, not the engine
+        log.exception("engine step failed")
+        failed = list(engine.requests)
+        for request_id in failed:
+            engine.abort(request_id)
+        return [], failed, f"the engine step failed: {exc}"
+
+
+class AsyncLLMEngine(EngineFront):
+    """Runs `LLMEngine` steps on a background thread of this process."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        super().__init__()
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopped = False
+        self.stats = engine.stats()
+        self._thread = threading.Thread(target=self._loop, name="servegate-engine", daemon=True)
+        self._thread.start()
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -257,40 +312,23 @@ class AsyncLLMEngine:
         self._wake.set()
         self._thread.join(timeout=10)
 
-    def _deliver(self, request_id: str, item: StepOutput | BaseException) -> None:
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, out = target
-            loop.call_soon_threadsafe(out.put_nowait, item)
-
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                command = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if command[0] == "add":
-                _, request_id, prompt_ids, params, stop = command
-                if request_id in self._streams:  # not abandoned before it got here
-                    self.engine.add_request(request_id, prompt_ids, params, stop)
-            else:
-                self.engine.abort(command[1])
-
     def _loop(self) -> None:
         while not self._stopped:
-            self._drain_inbox()
+            while True:
+                try:
+                    command = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if command[0] != "add" or command[1] in self._streams:  # not abandoned on the way
+                    if refused := run_command(self.engine, command):
+                        self._deliver(refused, UpstreamError(f"duplicate request id {refused!r}"))
             self.stats = self.engine.stats()
             if not self.engine.has_work:
                 self._wake.wait()
                 self._wake.clear()
                 continue
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # a broken step fails the requests in it, not the engine
-                log.exception("engine step failed")
-                for request_id in list(self.engine.requests):
-                    self.engine.abort(request_id)
-                    self._deliver(request_id, UpstreamError(f"the engine step failed: {exc}"))
-                continue
+            outputs, failed, why = step_or_fail(self.engine)
+            for request_id in failed:
+                self._deliver(request_id, UpstreamError(why))
             for out in outputs:
                 self._deliver(out.request_id, out)

@@ -57,12 +57,17 @@ def model_name(path: Path) -> str:
     return name.split(".")[0] if path.suffix == ".gguf" else name
 
 
-def load_model(path: str | os.PathLike | None = None, cache_dir: str | None = None) -> LoadedModel:
+def model_dir(path: str | os.PathLike | None = None, cache_dir: str | None = None) -> Path:
+    """The Hugging Face directory of a model: itself, or a GGUF file's conversion (made once)."""
     source = Path(path) if path else default_model_path()
     if not source.exists():
         raise FileNotFoundError(f"model not found: {source} (give a GGUF file or a Hugging Face directory)")
-    directory = gguf_to_hf_dir(source, cache_dir) if source.suffix == ".gguf" else source
-    return LoadedModel(model_name(source), *load_hf_dir(directory), source)
+    return gguf_to_hf_dir(source, cache_dir) if source.suffix == ".gguf" else source
+
+
+def load_model(path: str | os.PathLike | None = None, cache_dir: str | None = None) -> LoadedModel:
+    source = Path(path) if path else default_model_path()
+    return LoadedModel(model_name(source), *load_hf_dir(model_dir(source, cache_dir)), source)
 
 
 def load_hf_dir(directory: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], object]:
