@@ -74,7 +74,7 @@ def test_greedy_answers_equal_vllms_in_float32(vllm_url, default_model_dir):
         backend = BuiltinBackend(EngineConfig(model=str(default_model_dir), dtype="float32", max_model_len=2048))
         await backend.start()
         try:
-            requests = prompts(backend.engine.tokenizer)
+            requests = prompts(backend.tokenizer)
             async with httpx.AsyncClient(base_url=vllm_url) as client:
                 theirs = await asyncio.gather(*(vllm_answer(client, r) for r in requests))  # batched
                 ours = await asyncio.gather(*(engine_answer(backend, r, i) for i, r in enumerate(requests)))
