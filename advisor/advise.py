@@ -433,6 +433,7 @@ def _estimates(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
     goodput = None if ttft is None else 0.0  # unknown without a FLOPS figure for the prefill
     if slo_batch and meets_ttft:
         goodput = slo_batch / (ttft + workload.output_tokens * tpot(slo_batch))
+    memory_s, compute_s = terms(batch)
     return {
         "ttft_ms": ttft * 1000 if ttft is not None else None, "tpot_ms": tpot(batch) * 1000,
         "batch": batch, "queued": max(0, concurrency - plan.max_sequences) if replicas == 1 else None,
@@ -445,7 +446,7 @@ def _estimates(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
         "decode_weight_gb_per_step": model.weight_bytes(held, tokens=batch) / 1e9,
         "experts_read_per_layer": model.experts.touched(batch) if model.experts else None,
         "collectives_ms_per_step": collectives(batch) * 1000,
-        "decode_bound": "memory" if terms(batch)[0] >= terms(batch)[1] else "compute",
+        "decode_bound": "memory" if memory_s >= compute_s else "compute",
     }
 
 

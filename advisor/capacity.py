@@ -323,10 +323,6 @@ class Roofline:
         compute = 2 * active_params * batch / (self.flops * self.derates.decode_compute) if self.flops else 0.0
         return memory, compute
 
-    def decode_step(self, *args) -> float:
-        """Seconds per decode step: the slower of the two terms."""
-        return max(self.decode_terms(*args))
-
     def prefill(self, active_params: float, tokens: int, layers: int, attention_dim: int,
                 active_weight_bytes: float) -> float | None:
         """Seconds to prefill `tokens` (compute-bound: 2 FLOPs per active weight per token, plus

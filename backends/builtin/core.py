@@ -17,8 +17,6 @@ from ..base import UpstreamError
 from .config import EngineConfig
 from .engine import EngineFront, LLMEngine, run_command, step_or_fail
 
-log = logging.getLogger("servegate.engine")
-
 
 @dataclass(frozen=True)
 class CoreInfo:

@@ -102,9 +102,6 @@ class LLMEngine:
         self.requests[request_id] = request
         self.scheduler.add(Sequence(list(prompt_ids), params, request_id))
 
-    def check_request(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
-        return check_request(self.max_model_len, num_prompt_tokens, max_tokens)
-
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
         self.requests.pop(request_id, None)
