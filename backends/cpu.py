@@ -1,11 +1,16 @@
 """What this CPU can really run, for native kernels that trust its feature flags.
 
 A CPU may report AMX (`amx_tile` in /proc/cpuinfo) under a hypervisor that does not grant the
-tile state. llama.cpp compiled for such a CPU (`-march=native`) puts weights in its AMX buffer
-type once the kernel grants the tile-data permission, and its first `tilezero` dies with
-"Illegal instruction" (SIGILL). So before trusting the flag, a child process asks for that
-permission and runs `ldtilecfg` / `tilezero` / `tilerelease`, as ggml does; where that child
-dies, llama.cpp is told to skip its extra (repacking) buffer types, of which AMX is one.
+tile state: there llama.cpp compiled for the CPU (`-march=native`) puts weights in its AMX buffer
+type and its first `tilezero` dies with "Illegal instruction" (SIGILL). Where the tile state is
+granted, llama.cpp's AMX path may still die: on an Intel Xeon under KVM whose tile instructions
+all run, llama.cpp as vendored by llama-cpp-python 0.3.36 dies with SIGSEGV on `ldtilecfg` in
+`ggml_backend_amx_mul_mat` (a tile configuration the CPU refuses), llama-server and the Python
+binding alike. So the flag is trusted by neither kernel without a child process that runs it:
+for PyTorch's bf16 GEMMs (oneDNN), a child that asks for the tile-data permission and runs
+`ldtilecfg` / `tilezero` / `tilerelease`; for llama.cpp, a child that loads the default model
+with the AMX buffer type and evaluates a prompt. Where llama.cpp's child dies, llama.cpp is told
+to skip its extra (repacking) buffer types, of which AMX is one.
 
 `python -m backends.cpu MODULE ARGS...` runs a module (llama-cpp-python's server) under the
 same guard; `for_this_cpu` rewrites a server's command line accordingly.
@@ -51,8 +56,32 @@ def amx_probe() -> int:
 
 @functools.cache
 def amx_reported_but_unusable() -> bool:
-    """True where the CPU says it has AMX but a program cannot run it."""
+    """True where the CPU says it has AMX but a program cannot run its tile instructions."""
     return "amx_tile" in cpu_flags() and amx_probe() != 0
+
+
+# Loads a GGUF with llama.cpp's default (extra) buffer types, AMX among them, and evaluates a prompt.
+_LLAMA_AMX_PROBE = """
+import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, verbose=False)
+llm.eval(llm.tokenize(b"The three primary colors are"))
+"""
+
+
+def llama_amx_probe() -> int:
+    """The llama.cpp child's exit status: 0 ran, negative a signal (-11 SIGSEGV, -4 SIGILL), 1 an
+    error (llama-cpp-python missing)."""
+    from .builtin.loader import default_model_path
+
+    return subprocess.run([sys.executable, "-c", _LLAMA_AMX_PROBE, str(default_model_path())], capture_output=True,
+                          timeout=120).returncode
+
+
+@functools.cache
+def llama_cpp_amx_fails() -> bool:
+    """True where the CPU says it has AMX and llama.cpp's AMX path does not run (or cannot be tried)."""
+    return "amx_tile" in cpu_flags() and (amx_reported_but_unusable() or llama_amx_probe() != 0)
 
 
 def bf16_native() -> str | None:
@@ -65,11 +94,11 @@ def bf16_native() -> str | None:
 
 
 def llama_cpp_safe() -> None:
-    """Make llama-cpp-python's `Llama` skip llama.cpp's extra buffer types where AMX is reported
-    but unusable (its constructor takes the model parameters from `llama_model_default_params`
-    and has no argument for `use_extra_bufts`). Elsewhere nothing changes: the repacked AVX2 /
-    AVX-512 layouts stay on."""
-    if not amx_reported_but_unusable():
+    """Make llama-cpp-python's `Llama` skip llama.cpp's extra buffer types where its AMX path fails
+    (its constructor takes the model parameters from `llama_model_default_params` and has no
+    argument for `use_extra_bufts`). Elsewhere nothing changes: the repacked AVX2 / AVX-512
+    layouts, and working AMX, stay on."""
+    if not llama_cpp_amx_fails():
         return
     import llama_cpp.llama_cpp as native
 
@@ -87,10 +116,10 @@ def llama_cpp_safe() -> None:
 
 
 def for_this_cpu(argv: list[str]) -> list[str]:
-    """A llama.cpp server's command line as it must run here: where AMX is reported but unusable,
+    """A llama.cpp server's command line as it must run here: where llama.cpp's AMX path fails,
     llama-cpp-python's server under this module's guard and `llama-server` with `--no-repack`
     (its switch for the extra buffer types). Elsewhere, and for other programs, `argv` itself."""
-    if not amx_reported_but_unusable():
+    if not llama_cpp_amx_fails():
         return argv
     if argv[1:3] == ["-m", "llama_cpp.server"]:
         return [argv[0], "-m", "backends.cpu", *argv[2:]]

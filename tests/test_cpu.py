@@ -1,7 +1,9 @@
 """llama.cpp runs on every CPU kind of this project: where the CPU reports AMX that the hypervisor
-does not grant, llama.cpp's AMX kernels die with SIGILL (exit 132 of the whole test run), so the
-loading path skips llama.cpp's extra buffer types there. Each check runs llama.cpp in a child
-process, so a crash is an exit status the test reads, not the end of the test run."""
+does not grant, llama.cpp's AMX kernels die with SIGILL (exit 132 of the whole test run); where
+it grants it, llama.cpp's AMX path has died with SIGSEGV (exit 139). So the loading path skips
+llama.cpp's extra buffer types wherever a child shows its AMX path failing. Each check runs
+llama.cpp in a child process, so a crash is an exit status the test reads, not the end of the
+test run."""
 
 from __future__ import annotations
 
@@ -41,13 +43,13 @@ def test_llama_cpp_loads_and_generates_on_this_cpu():
     """The in-process backend's own loading path, as the gateway runs it: exit 0, never SIGILL."""
     done = child(GENERATE)
     assert done.returncode == 0, f"llama.cpp exited with {done.returncode}: {done.stderr[-2000:]}"
-    expected = not cpu.amx_reported_but_unusable()
+    expected = not cpu.llama_cpp_amx_fails()
     assert f"use_extra_bufts {expected}" in done.stdout
 
 
 def test_where_amx_is_refused_llama_cpp_runs_without_extra_buffer_types():
     """The guard's own path, forced on any machine: the model still loads and generates."""
-    forced = "import backends.cpu as cpu\ncpu.amx_reported_but_unusable = lambda: True\n" + GENERATE
+    forced = "import backends.cpu as cpu\ncpu.llama_cpp_amx_fails = lambda: True\n" + GENERATE
     done = child(forced)
     assert done.returncode == 0, f"llama.cpp exited with {done.returncode}: {done.stderr[-2000:]}"
     assert "use_extra_bufts False" in done.stdout
@@ -61,9 +63,20 @@ def test_the_probe_never_claims_amx_the_cpu_does_not_report():
         assert cpu.amx_reported_but_unusable() == (status != 0)
 
 
+def test_the_llama_cpp_verdict_is_what_llama_cpp_does_here():
+    """Where the CPU reports AMX, the verdict is the probe child's fate; a failing child is a
+    signal (the crash it stands in for), never a silent pass."""
+    if "amx_tile" not in cpu.cpu_flags():
+        assert not cpu.llama_cpp_amx_fails()
+        return
+    status = cpu.llama_amx_probe()
+    assert cpu.llama_cpp_amx_fails() == (cpu.amx_reported_but_unusable() or status != 0)
+    assert status in (0, -11, -4), f"the llama.cpp probe failed without a crash: {status}"
+
+
 @pytest.mark.parametrize("refused", [True, False])
 def test_server_command_lines_follow_the_verdict(monkeypatch, refused):
-    monkeypatch.setattr(cpu, "amx_reported_but_unusable", lambda: refused)
+    monkeypatch.setattr(cpu, "llama_cpp_amx_fails", lambda: refused)
     python = [sys.executable, "-m", "llama_cpp.server", "--model", "m.gguf"]
     server = ["/opt/llama/bin/llama-server", "-m", "m.gguf"]
     other = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
