@@ -152,7 +152,7 @@ def provision_llama_server() -> Path:
             archive.extractall(work, filter="data")
         source = Path(work) / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
         build = Path(work) / "build"
-        # Native kernels, as users build it; where AMX is reported but refused, `cpu.for_this_cpu`
+        # Native kernels, as users build it; where llama.cpp's AMX path fails, `cpu.for_this_cpu`
         # starts it with --no-repack.
         subprocess.run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
                         "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
