@@ -58,3 +58,11 @@ LLAMA_CPP_SERVER = frozenset({
 
 # Fields clients send that change nothing in how a local engine generates.
 HARMLESS = frozenset({"user", "parallel_tool_calls", "metadata", "store", "service_tier"})
+
+# servegate's own engine: the sampling knobs and structured outputs it implements
+# (backends/builtin/sampler.py, structured.py), in OpenAI's and vLLM's spellings.
+BUILTIN = HARMLESS | {
+    "min_p", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
+    "top_logprobs", "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "guided_json_object",
+}

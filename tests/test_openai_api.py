@@ -112,8 +112,8 @@ def test_bad_inputs_get_clear_openai_errors(base_url, client):
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
     assert unknown.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as unsupported:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], logprobs=True)
-    assert "logprobs" in unsupported.value.message
+        client.completions.create(model=MODEL, prompt="hi", suffix="there")
+    assert "suffix" in unsupported.value.message
     url = base_url[0]
     bad_json = httpx.post(f"{url}/v1/chat/completions", content=b'{"model": ',
                           headers={"content-type": "application/json", **AUTH})

@@ -7,7 +7,7 @@ import torch
 
 from backends.builtin.detokenizer import Detokenizer
 from backends.builtin.models.llama import LlamaConfig, rope_inv_freq
-from backends.builtin.sampler import _filtered_probs
+from backends.builtin.sampler import _filtered
 
 
 @pytest.mark.parametrize("scaling", [
@@ -64,13 +64,15 @@ def test_stop_string_across_tokens_is_held_back_and_cut(default_model):
 
 
 def test_top_k_and_top_p_filters():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    probs = _filtered_probs(logits, torch.tensor([2]), torch.tensor([1.0]))
-    assert torch.allclose(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
-    probs = _filtered_probs(logits, torch.tensor([4]), torch.tensor([0.7]))
-    assert torch.allclose(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))  # 0.5 + 0.3 covers 0.7
-    probs = _filtered_probs(logits, torch.tensor([4]), torch.tensor([0.1]))
-    assert torch.allclose(probs, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))  # the top token always stays
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+
+    def kept(top_k: int, top_p: float) -> torch.Tensor:
+        left = _filtered(probs, torch.tensor([top_k]), torch.tensor([top_p]))
+        return left / left.sum()  # the exponential race draws from the unnormalized rest alike
+
+    assert torch.allclose(kept(2, 1.0), torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    assert torch.allclose(kept(4, 0.7), torch.tensor([[0.625, 0.375, 0.0, 0.0]]))  # 0.5 + 0.3 covers 0.7
+    assert torch.allclose(kept(4, 0.1), torch.tensor([[1.0, 0.0, 0.0, 0.0]]))  # the top token always stays
 
 
 def filled_cache(kv_dtype: str, dtype: torch.dtype):

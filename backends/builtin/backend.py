@@ -25,22 +25,26 @@ from ..base import (
     Usage,
     servegate_version,
 )
+from ..constraints import constraint_of
+from . import logprobs
 from .config import EngineConfig
 from .core import CoreInfo, EngineProcess
 from .engine import AsyncLLMEngine, EngineFront, LLMEngine, check_request
 from .loader import default_model_path, load_tokenizer, model_dir, model_name
 from .sequence import SamplingParams
+from .structured import check
 
 log = logging.getLogger("servegate.builtin")
 
 MAX_N = 16
+MAX_LOGPROBS = 20  # as vLLM's default --max-logprobs and OpenAI's top_logprobs cap
 COUNTED_KEPT = 1024  # counted prompts awaiting their generate()
 
 
 class BuiltinBackend(Backend):
     """servegate's own paged, prefix-caching, continuously batching engine, in process."""
 
-    EXTRA_FIELDS = fields.HARMLESS
+    EXTRA_FIELDS = fields.BUILTIN
 
     def __init__(self, config: EngineConfig | None = None, name: str = "builtin") -> None:
         self.name = name
@@ -49,6 +53,7 @@ class BuiltinBackend(Backend):
         self._front: EngineFront | None = None
         self.info: CoreInfo | None = None
         self.tokenizer = None
+        self._texts: logprobs.TokenTexts | None = None  # for logprobs, made on first use
         self._load_error: BaseException | None = None
         # Prompt ids counted for a quota reservation, kept for the request's generate(): a prompt
         # is templated and tokenized once. Bounded: a request refused after counting never comes.
@@ -101,14 +106,26 @@ class BuiltinBackend(Backend):
         prompt_ids = self._counted.pop(_prompt_key(request), None) or self._prompt_ids(info, request)
         params = self._sampling_params(info, request, len(prompt_ids))
         reasons: list[str | None] = [None] * params.n
+        offsets = [0] * params.n  # characters of each choice's text so far (completions' text_offset)
         completion_tokens = cached = 0
         async for out in front.stream(request.request_id, prompt_ids, params, request.stop):
             completion_tokens += len(out.token_ids)
             cached = max(cached, out.num_cached_tokens)
             if out.finish_reason:
                 reasons[out.index] = out.finish_reason
-            yield Delta(out.index, out.text, out.token_ids, out.finish_reason)
+            extra = None
+            if out.logprobs:
+                texts = self._token_texts()
+                extra = {"logprobs": logprobs.chat(texts, out.token_ids, out.logprobs) if request.messages else
+                         logprobs.completion(texts, out.token_ids, out.logprobs, offsets[out.index])}
+                offsets[out.index] += sum(len(texts.text(token)) for token in out.token_ids)
+            yield Delta(out.index, out.text, out.token_ids, out.finish_reason, extra)
         yield Finish(tuple(reasons), Usage(len(prompt_ids), completion_tokens, cached))
+
+    def _token_texts(self) -> logprobs.TokenTexts:
+        if self._texts is None:
+            self._texts = logprobs.TokenTexts(self.tokenizer)
+        return self._texts
 
     def _prompt_ids(self, info: CoreInfo, request: GenerateRequest) -> list[int]:
         tokenizer = self.tokenizer
@@ -149,10 +166,17 @@ class BuiltinBackend(Backend):
             raise ContextTooLong(str(exc), param="messages" if request.messages else "prompt") from exc
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="prompt") from exc
+        extra = request.extra
+        min_tokens = _number(extra, "min_tokens", int, 0, 0, max_tokens)
         return SamplingParams(
             max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
             top_k=request.top_k, seed=request.seed, stop_token_ids=tuple(request.stop_token_ids),
-            ignore_eos=request.ignore_eos, n=request.n,
+            ignore_eos=request.ignore_eos, n=request.n, min_p=_number(extra, "min_p", float, 0.0, 0.0, 1.0),
+            min_tokens=min_tokens, presence_penalty=_number(extra, "presence_penalty", float, 0.0, -2.0, 2.0),
+            frequency_penalty=_number(extra, "frequency_penalty", float, 0.0, -2.0, 2.0),
+            repetition_penalty=_number(extra, "repetition_penalty", float, 1.0, 1e-6, 100.0),
+            logit_bias=_logit_bias(extra.get("logit_bias"), info.vocab_size),
+            logprobs=_logprobs(request), grammar=_constraint(extra),
         )
 
     # -- introspection ------------------------------------------------------------------
@@ -164,7 +188,9 @@ class BuiltinBackend(Backend):
             dtype=self.dtype,
             kv_dtype=self.dtype if self.config.kv_cache_dtype == "auto" else self.config.kv_cache_dtype,
             tokenize=True,
-            features=frozenset({"n", "seed", "stop", "stop_token_ids", "ignore_eos", "top_k"}),
+            structured_output=True,
+            features=frozenset({"n", "seed", "stop", "stop_token_ids", "ignore_eos", "top_k", "min_p", "min_tokens",
+                                "penalties", "logit_bias", "logprobs"}),
         )
 
     async def health(self) -> Health:
@@ -201,6 +227,71 @@ class BuiltinBackend(Backend):
 def _prompt_key(request: GenerateRequest) -> tuple[str, str]:
     """A request's prompt, whichever form it came in, under its id."""
     return request.request_id, repr((request.prompt, request.messages, request.prompt_token_ids))
+
+
+def _number(extra: dict, name: str, kind: type, default, low, high):
+    """A numeric knob from the request's extras, checked against its range."""
+    value = extra.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        raise InvalidRequest(f"{name} must be {'an integer' if kind is int else 'a number'}", param=name)
+    if not low <= value <= high:
+        raise InvalidRequest(f"{name} must be between {low} and {high}, got {value}", param=name)
+    return kind(value)
+
+
+def _logit_bias(value, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias in [-100, 100]}, every id inside the vocabulary."""
+    if not value:
+        return ()
+    if not isinstance(value, dict):
+        raise InvalidRequest("logit_bias must map token ids to biases", param="logit_bias")
+    bias = []
+    for key, amount in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise InvalidRequest(f"logit_bias key {key!r} is not a token id", param="logit_bias") from None
+        if not 0 <= token < vocab_size:
+            raise InvalidRequest(f"logit_bias token id {token} is outside the vocabulary (0..{vocab_size - 1})",
+                                 param="logit_bias")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not -100 <= amount <= 100:
+            raise InvalidRequest(f"logit_bias for token {token} must be a number in [-100, 100]", param="logit_bias")
+        bias.append((token, float(amount)))
+    return tuple(bias)
+
+
+def _logprobs(request: GenerateRequest) -> int | None:
+    """How many alternatives each token's logprobs list: chat's `logprobs: true` with
+    `top_logprobs`, or completions' `logprobs: k`; None where not asked."""
+    extra = request.extra
+    logprobs, top = extra.get("logprobs"), extra.get("top_logprobs")
+    if request.messages is not None:
+        if top is not None and not logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        if not logprobs:
+            return None
+        if logprobs is not True:
+            raise InvalidRequest("logprobs must be true or false in chat completions", param="logprobs")
+        value, name = (0 if top is None else top), "top_logprobs"
+    else:
+        if logprobs is None or logprobs is False:
+            return None
+        value, name = logprobs, "logprobs"
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+        raise InvalidRequest(f"{name} must be an integer from 0 to {MAX_LOGPROBS}, got {value!r}", param=name)
+    return value
+
+
+def _constraint(extra: dict):
+    constraint = constraint_of(extra)
+    if constraint is not None:
+        try:
+            check(constraint)
+        except ValueError as exc:
+            raise InvalidRequest(f"{constraint.source}: {exc}", param=constraint.source) from exc
+    return constraint
 
 
 def _plain_message(message: dict) -> dict:

@@ -2,7 +2,7 @@
 does HTTP, chat templates and tokenization; the core process only schedules, runs the model,
 samples and detokenizes, so a step's Python never waits for the HTTP process's GIL.
 
-Commands (`add`, `abort`, `stop`) and the core's messages (`ready`, `outputs`, `failed`) are
+Commands (`add`, `abort`, `stop`) and the core's messages (`ready`, `outputs`, `failed`, `refused`) are
 pickled tuples over one pipe; outputs carry the engine's figures of that step boundary.
 """
 
@@ -13,7 +13,7 @@ import multiprocessing
 import threading
 from dataclasses import dataclass
 
-from ..base import UpstreamError
+from ..base import InvalidRequest, UpstreamError
 from .config import EngineConfig
 from .engine import EngineFront, LLMEngine, run_command, step_or_fail
 
@@ -52,7 +52,7 @@ def run(config: EngineConfig, conn) -> None:
             if command[0] == "stop":
                 return
             if refused := run_command(engine, command):
-                conn.send(("failed", [refused], f"duplicate request id {refused!r}", engine.stats()))
+                conn.send(("refused", *refused))
         if engine.has_work:
             outputs, failed, why = step_or_fail(engine)
             conn.send(("failed", failed, why, engine.stats()) if failed else ("outputs", outputs, engine.stats()))
@@ -105,6 +105,9 @@ class EngineProcess(EngineFront):
                 _, outputs, self.stats = message
                 for out in outputs:
                     self._deliver(out.request_id, out)
+            elif message[0] == "refused":
+                _, request_id, why = message
+                self._deliver(request_id, InvalidRequest(why))
             else:  # failed
                 _, failed, why, self.stats = message
                 for request_id in failed:

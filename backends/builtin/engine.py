@@ -8,21 +8,23 @@ and aborts reach the thread through a queue and take effect at the next step bou
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
-from ..base import UpstreamError
+from ..base import InvalidRequest, UpstreamError
 from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .kv_cache import KVCacheManager
 from .loader import LoadedModel, load_model
 from .model_runner import ModelRunner
-from .sampler import sample
+from .sampler import Logprob, sample
 from .scheduler import Scheduler
 from .sequence import SamplingParams, Sequence
+from .structured import Grammars
 
 log = logging.getLogger("servegate.engine")
 
@@ -35,6 +37,7 @@ class StepOutput:
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served to this choice
+    logprobs: tuple[Logprob, ...] = ()  # one per token, where the request asked for them
 
 
 @dataclass
@@ -80,9 +83,10 @@ class LLMEngine:
         num_blocks = config.blocks()
         self.max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings,
                                  num_blocks * config.block_size)
-        self.eos_token_ids = set(model_cfg.eos_token_ids)
+        eos_token_ids = set(model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+            eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.loaded, config, num_blocks)
@@ -95,12 +99,20 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     stop: Iterable[str] = ()) -> None:
-        """Queue a request. Validation (lengths, ids) is the caller's: see `check_request`."""
+        """Queue a request. Validation (lengths, ids) is the caller's: see `check_request`. A
+        duplicate id or a grammar that does not compile is a ValueError."""
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        request = Request(request_id, list(prompt_ids), params, tuple(stop))
-        self.requests[request_id] = request
-        self.scheduler.add(Sequence(list(prompt_ids), params, request_id))
+        seq = Sequence(list(prompt_ids), params, request_id)
+        if params.grammar is not None:
+            seq.matcher = self.grammars.matcher(params.grammar)
+        self.requests[request_id] = Request(request_id, list(prompt_ids), params, tuple(stop))
+        self.scheduler.add(seq)
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Made on the first constrained request: llguidance is imported only where it is used."""
+        return Grammars(self.tokenizer, self.loaded.config.vocab_size, sorted(self.eos_token_ids))
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
@@ -171,10 +183,11 @@ class LLMEngine:
             rows += [row] * len(group)
         if not to_sample:
             return []
-        tokens = sample(logits[rows], to_sample)
-        return [out for seq, token in zip(to_sample, tokens) if (out := self._append(seq, token))]
+        tokens, logprobs = sample(logits[rows], to_sample, self.eos_token_ids)
+        return [out for seq, token, logprob in zip(to_sample, tokens, logprobs)
+                if (out := self._append(seq, token, logprob))]
 
-    def _append(self, seq: Sequence, token: int) -> StepOutput | None:
+    def _append(self, seq: Sequence, token: int, logprob: Logprob | None = None) -> StepOutput | None:
         request = self.requests.get(seq.request_id)
         if request is None:  # aborted meanwhile
             return None
@@ -182,6 +195,8 @@ class LLMEngine:
         params = seq.params
         reason = None
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            reason = "stop"
+        if seq.matcher is not None and seq.matcher.accept(token):  # the grammar is complete
             reason = "stop"
         elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
             reason = "length"
@@ -196,7 +211,8 @@ class LLMEngine:
             request.unfinished -= 1
             if not request.unfinished:
                 del self.requests[seq.request_id]
-        return StepOutput(seq.request_id, seq.index, text, (token,), reason, seq.num_cached_tokens)
+        return StepOutput(seq.request_id, seq.index, text, (token,), reason, seq.num_cached_tokens,
+                          (logprob,) if logprob else ())
 
     # -- offline helper -----------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
@@ -258,14 +274,14 @@ class EngineFront:
         raise NotImplementedError
 
 
-def run_command(engine: LLMEngine, command: tuple) -> str | None:
-    """Apply one front command to the engine; a request it refuses (a duplicate id) is returned."""
+def run_command(engine: LLMEngine, command: tuple) -> tuple[str, str] | None:
+    """Apply one front command to the engine; a request it refuses comes back with the reason."""
     if command[0] == "add":
         _, request_id, prompt_ids, params, stop = command
         try:
             engine.add_request(request_id, prompt_ids, params, stop)
-        except ValueError:
-            return request_id
+        except ValueError as exc:
+            return request_id, str(exc)
     else:
         engine.abort(command[1])
     return None
@@ -318,7 +334,7 @@ class AsyncLLMEngine(EngineFront):
                     break
                 if command[0] != "add" or command[1] in self._streams:  # not abandoned on the way
                     if refused := run_command(self.engine, command):
-                        self._deliver(refused, UpstreamError(f"duplicate request id {refused!r}"))
+                        self._deliver(refused[0], InvalidRequest(refused[1]))
             self.stats = self.engine.stats()
             if not self.engine.has_work:
                 self._wake.wait()

@@ -1,41 +1,128 @@
-"""Next-token choice for a batch: greedy, temperature, top-k, top-p, per-request seeds.
+"""Next-token choice for a batch, in vLLM v1's order: raw logprobs; grammar masks, logit bias and
+min_tokens; repetition, frequency and presence penalties; then greedy rows take the argmax and
+sampled rows temperature, min-p, top-k and top-p.
 
-Each sampled sequence draws from its own generator, so a seeded request gets the same tokens
-whatever else shares its batch.
+Every step is a tensor operation over the rows that asked for it; a batch that asked for none of
+the extras costs one argmax. Sampled rows draw with the exponential race (argmax of p / q, q ~
+Exp(1)), as vLLM does: one draw for the whole batch, redrawn from its own generator only for a
+row with a seed, so a seeded request gets the same tokens whatever else shares its batch.
 """
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
+
 import torch
 
+from . import structured
 from .sequence import Sequence
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """logits: [len(seqs), vocab] float32 -> one token id per sequence."""
-    tokens = logits.argmax(dim=-1).tolist()
-    rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+@dataclass(frozen=True)
+class Logprob:
+    """The chosen token's log-probability and the most likely alternatives, from the model's raw
+    distribution (vLLM's default `raw_logprobs`: before masks, penalties and temperature)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int] = frozenset()
+           ) -> tuple[list[int], list[Logprob | None]]:
+    """logits: [len(seqs), vocab] float32, modified in place -> each sequence's token, and its
+    logprobs where the sequence asked for them."""
+    logprob_rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+    raw = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
+    structured.mask(logits, seqs)
+    _bias(logits, seqs, eos_token_ids)
+    _penalize(logits, seqs)
+    tokens = logits.argmax(dim=-1)
+    sampled = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+    if sampled:
+        tokens[sampled] = _draw(logits[sampled], [seqs[i] for i in sampled])
+    chosen = tokens.tolist()
+    logprobs: list[Logprob | None] = [None] * len(seqs)
+    if raw is not None:
+        for row, i in enumerate(logprob_rows):
+            logprobs[i] = _logprob(raw[row], chosen[i], seqs[i].params.logprobs)
+    return chosen, logprobs
+
+
+def _logprob(row: torch.Tensor, token: int, k: int) -> Logprob:
+    values, ids = row.topk(k) if k else (row[:0], row[:0].long())
+    return Logprob(float(row[token]), tuple(zip(ids.tolist(), values.tolist())))
+
+
+def _bias(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int]) -> None:
+    """logit_bias added; end-of-sequence and stop tokens barred until a row has min_tokens."""
+    rows, ids, values = [], [], []
+    for i, seq in enumerate(seqs):
+        params = seq.params
+        for token, bias in params.logit_bias:
+            rows.append(i), ids.append(token), values.append(bias)
+        if seq.num_output_tokens < params.min_tokens:
+            for token in itertools.chain(eos_token_ids, params.stop_token_ids):
+                rows.append(i), ids.append(token), values.append(float("-inf"))
+    if rows:
+        logits.index_put_((torch.tensor(rows), torch.tensor(ids)), torch.tensor(values), accumulate=True)
+
+
+def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """vLLM's penalties: repetition divides a positive logit (multiplies a negative one) of every
+    token seen in the prompt or output; frequency subtracts per occurrence in the output, presence
+    once per token that occurred."""
+    rows = [i for i, seq in enumerate(seqs) if seq.params.penalized]
     if not rows:
-        return tokens
+        return
     params = [seqs[i].params for i in rows]
     chosen = logits[rows]
+    counts = _counts([seqs[i].output_ids for i in rows], chosen)
+    repetition = torch.tensor([p.repetition_penalty for p in params])[:, None]
+    if (repetition != 1).any():
+        seen = (counts > 0) | (_counts([seqs[i].token_ids[:seqs[i].num_prompt_tokens] for i in rows], chosen) > 0)
+        chosen = torch.where(seen, torch.where(chosen > 0, chosen / repetition, chosen * repetition), chosen)
+    chosen -= torch.tensor([p.frequency_penalty for p in params])[:, None] * counts
+    chosen -= torch.tensor([p.presence_penalty for p in params])[:, None] * (counts > 0)
+    logits[rows] = chosen
+
+
+def _counts(token_lists: list[list[int]], like: torch.Tensor) -> torch.Tensor:
+    """[rows, vocab] occurrences of each token in each row's list."""
+    counts = torch.zeros_like(like)
+    lengths = torch.tensor([len(tokens) for tokens in token_lists])
+    if lengths.sum():
+        rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
+        ids = torch.tensor(list(itertools.chain.from_iterable(token_lists)))
+        counts.index_put_((rows, ids), torch.ones(len(ids)), accumulate=True)
+    return counts
+
+
+def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    params = [seq.params for seq in seqs]
     # Shifted so the largest logit is 0: no temperature can overflow it into inf/nan.
-    scaled = (chosen - chosen.max(dim=-1, keepdim=True).values) / torch.tensor([p.temperature for p in params])[:, None]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else scaled.shape[-1] for p in params])
+    scaled = (logits - logits.max(dim=-1, keepdim=True).values) / torch.tensor([p.temperature for p in params])[:, None]
+    probs = scaled.softmax(dim=-1)
+    min_p = torch.tensor([p.min_p for p in params])[:, None]
+    if min_p.any():
+        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else probs.shape[-1] for p in params])
     top_p = torch.tensor([p.top_p for p in params])
-    probs = _filtered_probs(scaled, top_k, top_p)
-    for row, i in zip(probs, rows):
-        tokens[i] = int(torch.multinomial(row, 1, generator=seqs[i].generator))
-    return tokens
+    probs = _filtered(probs, top_k, top_p)
+    race = torch.empty_like(probs).exponential_()
+    for row, seq in enumerate(seqs):
+        if seq.generator is not None:
+            race[row].exponential_(generator=seq.generator)
+    return (probs / race).argmax(dim=-1)
 
 
-def _filtered_probs(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Softmax restricted to each row's top-k tokens and smallest nucleus of mass top_p."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(logits.shape[-1])[None, :]
-    sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
-    sorted_probs = sorted_logits.softmax(dim=-1)
+def _filtered(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Each row restricted to its top-k tokens and smallest nucleus of mass top_p (not renormalized:
+    the exponential race does not need it)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1])[None, :]
+    sorted_probs = sorted_probs.masked_fill(rank >= top_k[:, None], 0.0)
+    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     sorted_probs = sorted_probs.masked_fill(mass_before >= top_p[:, None], 0.0)  # keeps the first token
-    sorted_probs /= sorted_probs.sum(dim=-1, keepdim=True)
     return torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..constraints import Constraint
+from .structured import Matcher
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -20,10 +23,22 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    min_p: float = 0.0
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
+    grammar: Constraint | None = None  # structured output
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 class Status(enum.Enum):
@@ -51,7 +66,8 @@ class Sequence:
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # a seeded request's own random stream
+    matcher: Matcher | None = None  # where a grammar constrains the output
     seq_id: int = field(default_factory=lambda: next(_ids))
     num_preemptions: int = 0
     arrival: float = field(default_factory=time.monotonic)
@@ -59,12 +75,9 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.token_ids)
-        if self.generator is None and not self.params.greedy:
+        if self.generator is None and not self.params.greedy and self.params.seed is not None:
             self.generator = torch.Generator()
-            if self.params.seed is None:
-                self.generator.seed()
-            else:
-                self.generator.manual_seed(self.params.seed + self.index)
+            self.generator.manual_seed(self.params.seed + self.index)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -87,4 +100,5 @@ class Sequence:
             list(self.token_ids), self.params, self.request_id, index, self.num_prompt_tokens,
             self.num_computed_tokens, self.num_cached_tokens, status=self.status,
             block_hashes=list(self.block_hashes), num_registered_blocks=self.num_registered_blocks,
+            matcher=self.matcher.fresh() if self.matcher else None,
         )
