@@ -61,7 +61,7 @@ class Delta:
     index: int
     text: str
     token_ids: tuple[int, ...] = ()
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "tool_calls" | "abort"
     # What an OpenAI-compatible runtime sent beside the text, passed through to OpenAI clients:
     # {"delta": {"tool_calls": [...], ...}, "logprobs": {...}}.
     extra: dict[str, Any] | None = None

@@ -64,5 +64,5 @@ HARMLESS = frozenset({"user", "parallel_tool_calls", "metadata", "store", "servi
 BUILTIN = HARMLESS | {
     "min_p", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
     "top_logprobs", "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar", "guided_json_object",
+    "guided_grammar", "guided_json_object", "tools", "tool_choice",
 }

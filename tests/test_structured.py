@@ -245,3 +245,110 @@ def test_batched_penalties_equal_the_row_by_row_reference():
     banned = torch.zeros(1, vocab)
     banned[0, 7] = 50.0  # an end-of-sequence token, barred before min_tokens
     assert sample(banned, [bias], frozenset({7}))[0] == [5]
+
+
+# -- tool calls ---------------------------------------------------------------------------------
+def function(name: str, description: str, properties: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}}}
+
+
+TOOLS = [
+    function("get_weather", "Current weather in a city",
+             {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["celsius", "fahrenheit"]}}),
+    function("get_time", "Current time in a time zone",
+             {"tz": {"type": "string", "pattern": "^[A-Z][a-z]+/[A-Z][a-z]+$"}}),
+    function("convert", "Convert an amount between currencies",
+             {"amount": {"type": "number", "minimum": 0, "maximum": 1e6}, "to": {"enum": ["EUR", "USD", "JPY"]}}),
+]
+SCHEMA_OF = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+QUESTIONS = ["What's the weather like in {}?", "What time is it in {}?", "How much is 20 dollars in {}'s currency?"]
+CITIES = ["Paris", "Oslo", "Tokyo", "Berlin", "Lima", "Cairo"]
+
+
+def test_tool_conversations_through_the_sdk(base_url):
+    """36 conversations, streamed and not, tool_choice required or named for the call, auto for the
+    answer: every call's arguments validate against its function's schema, and the model answers
+    from the tool's result."""
+
+    async def conversation(index: int, client: openai.AsyncOpenAI):
+        city, question = CITIES[index % len(CITIES)], QUESTIONS[index % len(QUESTIONS)]
+        named = TOOLS[index % len(TOOLS)]["function"]["name"]
+        choice = "required" if index % 2 else {"type": "function", "function": {"name": named}}
+        messages = [{"role": "user", "content": question.format(city)}]
+        ask = {"model": MODEL, "tools": TOOLS, "temperature": 0, "max_tokens": 80, **FINISHING}
+        if index % 3 == 0:  # streamed: the SDK assembles the tool-call deltas
+            async with client.chat.completions.stream(messages=messages, tool_choice=choice, **ask) as stream:
+                first = await stream.get_final_completion()
+        else:
+            first = await client.chat.completions.create(messages=messages, tool_choice=choice, **ask)
+        message = first.choices[0].message
+        calls = message.tool_calls or []
+        results = [{"role": "tool", "tool_call_id": call.id, "content": "21 C, cloudy"} for call in calls]
+        messages += [message.model_dump(exclude_none=True), *results]
+        final = await client.chat.completions.create(messages=messages, tool_choice="auto", **ask)
+        return named if isinstance(choice, dict) else None, first.choices[0], final.choices[0]
+
+    async def run_all():
+        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=ADMIN_KEY, max_retries=0, timeout=600)
+        return await asyncio.gather(*[conversation(i, client) for i in range(36)])
+
+    checked = 0
+    for named, first, final in asyncio.run(run_all()):
+        assert first.finish_reason == "tool_calls" and first.message.tool_calls, first
+        for call in first.message.tool_calls:
+            assert named in (None, call.function.name)
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMA_OF[call.function.name])
+            checked += 1
+        assert final.finish_reason in ("stop", "length") and final.message.content and not final.message.tool_calls
+    assert checked >= 36
+
+
+def test_a_call_begun_under_auto_must_be_a_valid_one(default_model):
+    """auto leaves text free, but once the model writes <tool_call> the grammar holds it to a
+    known function and its schema (the 135M model rarely chooses to call on its own)."""
+    from backends.builtin.structured import Grammars
+    from backends.builtin.tools import ToolUse
+
+    tok = default_model.tokenizer
+    grammars = Grammars(tok, default_model.config.vocab_size, [2])
+    auto = ToolUse.of({"tools": TOOLS, "tool_choice": "auto"}).constraint
+
+    def accepted(text: str) -> bool:
+        return grammars.matcher(auto).state.consume_tokens(tok.encode(text, add_special_tokens=False))
+
+    good = ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris","unit":"celsius"}}'
+            '\n</tool_call>')
+    assert accepted("Just text, no call.") and accepted(good)
+    assert not accepted('<tool_call>\n{"name": "get_stock", "arguments": {}}')  # no such function
+    assert not accepted('<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris","unit":"kelvin"}}')
+
+
+def test_the_parser_holds_back_a_call_split_across_pieces():
+    from backends.builtin.tools import ToolCallParser
+
+    parser = ToolCallParser()
+    pieces = ["Sure", ". <tool", '_call>\n{"name": "get_time", "arguments": {"tz":', ' "Europe/Paris"}}\n</tool_c',
+              "all>"]
+    texts, calls = [], []
+    for i, piece in enumerate(pieces):
+        text, new = parser.feed(piece, final=i == len(pieces) - 1)
+        texts.append(text)
+        calls += new
+    assert "".join(texts) == "Sure. " and texts[1] == ". "  # "<tool" was held back, not streamed
+    assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        (0, "get_time", {"tz": "Europe/Paris"})]
+
+
+def test_bad_tool_requests_are_400s_naming_the_field(base_url):
+    def refused(**fields) -> dict:
+        body = {"model": MODEL, "messages": ask("hi"), "max_tokens": 4, **fields}
+        answer = httpx.post(f"{base_url}/v1/chat/completions", json=body, headers=AUTH)
+        assert answer.status_code == 400, answer.text
+        return answer.json()["error"]
+
+    error = refused(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_stock"}})
+    assert error["param"] == "tool_choice" and "get_stock" in error["message"]
+    assert refused(tools=[{"type": "function", "function": {}}])["param"] == "tools"
+    assert refused(tool_choice="required")["param"] == "tool_choice"  # no tools to call
+    assert refused(tools=TOOLS, response_format={"type": "json_object"})["param"] == "tools"

@@ -26,13 +26,14 @@ from ..base import (
     servegate_version,
 )
 from ..constraints import constraint_of
-from . import logprobs
+from . import logprobs, tools
 from .config import EngineConfig
 from .core import CoreInfo, EngineProcess
 from .engine import AsyncLLMEngine, EngineFront, LLMEngine, check_request
 from .loader import default_model_path, load_tokenizer, model_dir, model_name
 from .sequence import SamplingParams
 from .structured import check
+from .tools import ToolCallParser, ToolUse
 
 log = logging.getLogger("servegate.builtin")
 
@@ -107,19 +108,27 @@ class BuiltinBackend(Backend):
         params = self._sampling_params(info, request, len(prompt_ids))
         reasons: list[str | None] = [None] * params.n
         offsets = [0] * params.n  # characters of each choice's text so far (completions' text_offset)
+        parsers = [ToolCallParser() for _ in range(params.n)] if ToolUse.of(request.extra) else None
         completion_tokens = cached = 0
         async for out in front.stream(request.request_id, prompt_ids, params, request.stop):
             completion_tokens += len(out.token_ids)
             cached = max(cached, out.num_cached_tokens)
-            if out.finish_reason:
-                reasons[out.index] = out.finish_reason
-            extra = None
+            text, reason, extra = out.text, out.finish_reason, {}
             if out.logprobs:
                 texts = self._token_texts()
-                extra = {"logprobs": logprobs.chat(texts, out.token_ids, out.logprobs) if request.messages else
-                         logprobs.completion(texts, out.token_ids, out.logprobs, offsets[out.index])}
+                extra["logprobs"] = (logprobs.chat(texts, out.token_ids, out.logprobs) if request.messages else
+                                     logprobs.completion(texts, out.token_ids, out.logprobs, offsets[out.index]))
                 offsets[out.index] += sum(len(texts.text(token)) for token in out.token_ids)
-            yield Delta(out.index, out.text, out.token_ids, out.finish_reason, extra)
+            if parsers:
+                parser = parsers[out.index]
+                text, calls = parser.feed(text, final=reason is not None)
+                if calls:
+                    extra["delta"] = {"tool_calls": calls}
+                if reason == "stop" and parser.calls:
+                    reason = "tool_calls"
+            if reason:
+                reasons[out.index] = reason
+            yield Delta(out.index, text, out.token_ids, reason, extra or None)
         yield Finish(tuple(reasons), Usage(len(prompt_ids), completion_tokens, cached))
 
     def _token_texts(self) -> logprobs.TokenTexts:
@@ -138,9 +147,12 @@ class BuiltinBackend(Backend):
             return ids
         if request.prompt is not None:
             return tokenizer.encode(request.prompt)
-        messages = [_plain_message(m) for m in request.messages]
+        template_speaks_tools = tools.OPEN in (getattr(tokenizer, "chat_template", None) or "")
+        messages, template_fields = tools.render([_plain_message(m) for m in request.messages],
+                                                 ToolUse.of(request.extra), template_speaks_tools)
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                 **template_fields)
         except Exception as exc:  # jinja raises on messages the template cannot render
             raise InvalidRequest(f"the chat template cannot render these messages: {exc}", param="messages") from exc
         return tokenizer.encode(text, add_special_tokens=False)  # the template holds any special tokens
@@ -176,7 +188,7 @@ class BuiltinBackend(Backend):
             frequency_penalty=_number(extra, "frequency_penalty", float, 0.0, -2.0, 2.0),
             repetition_penalty=_number(extra, "repetition_penalty", float, 1.0, 1e-6, 100.0),
             logit_bias=_logit_bias(extra.get("logit_bias"), info.vocab_size),
-            logprobs=_logprobs(request), grammar=_constraint(extra),
+            logprobs=_logprobs(request), grammar=_grammar(extra),
         )
 
     # -- introspection ------------------------------------------------------------------
@@ -284,8 +296,14 @@ def _logprobs(request: GenerateRequest) -> int | None:
     return value
 
 
-def _constraint(extra: dict):
+def _grammar(extra: dict):
+    """The output's constraint: the tool choice's grammar, or the structured output asked for."""
+    tool_use = ToolUse.of(extra)
     constraint = constraint_of(extra)
+    if tool_use and constraint:
+        raise InvalidRequest("tools and a structured output cannot constrain one answer together", param="tools")
+    if tool_use:
+        constraint = tool_use.constraint
     if constraint is not None:
         try:
             check(constraint)
