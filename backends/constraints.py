@@ -7,6 +7,7 @@ the way its runtime reads it.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -97,3 +98,49 @@ def _typed(kind: Kind, value: Any, name: str) -> Constraint:
     if not isinstance(value, str) or not value:
         raise InvalidRequest(f"{name} must be a non-empty string", param=source)
     return Constraint(kind, value, source)
+
+
+def respelled(extra: dict[str, Any], runtime: str) -> dict[str, Any]:
+    """`extra` with its structured-output fields in the spelling `runtime` reads: vLLM 0.32 only
+    `structured_outputs` (its `guided_*` fields are gone, `vllm/sampling_params.py`); SGLang its
+    top-level `json_schema`, `regex` and `ebnf` (`srt/entrypoints/openai/protocol.py`); llama-server
+    `json_schema` and a GBNF `grammar` (`tools/server/server-common.cpp`). OpenAI's
+    `response_format` stays: each of them reads it. Other runtimes get `extra` as it is.
+    InvalidRequest naming the field where the runtime has no way to say what was asked."""
+    spell = _SPELLINGS.get(runtime)
+    given = [name for name in FIELDS - {"response_format"} if extra.get(name) not in (None, {}, False)]
+    if spell is None or not given or (runtime == "vllm" and given == ["structured_outputs"]):
+        return extra
+    constraint = constraint_of(extra)
+    kept = {key: value for key, value in extra.items() if key not in FIELDS or key == "response_format"}
+    return kept | spell(constraint)
+
+
+def _vllm(c: Constraint) -> dict:
+    name = next(name for name, kind in _VLLM_KINDS.items() if kind == c.kind)
+    value = True if c.kind == "json_object" else json.loads(c.value) if c.kind in ("json_schema", "choice") else c.value
+    return {"structured_outputs": {name: value}}
+
+
+def _sglang(c: Constraint) -> dict:
+    if c.kind == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if c.kind == "choice":
+        return {"regex": "(" + "|".join(re.escape(choice) for choice in json.loads(c.value)) + ")"}
+    return {{"json_schema": "json_schema", "regex": "regex", "grammar": "ebnf"}[c.kind]: c.value}
+
+
+def _llama_server(c: Constraint) -> dict:
+    if c.kind == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if c.kind == "json_schema":
+        return {"json_schema": json.loads(c.value)}
+    if c.kind == "choice":
+        return {"grammar": "root ::= " + " | ".join(json.dumps(choice) for choice in json.loads(c.value))}
+    if c.kind == "grammar" and "::=" in c.value:
+        return {"grammar": c.value}
+    what = "a regex" if c.kind == "regex" else "a Lark grammar (only GBNF)"
+    raise InvalidRequest(f"{c.source}: llama-server takes no {what}", param=c.source)
+
+
+_SPELLINGS = {"vllm": _vllm, "sglang": _sglang, "llama-server": _llama_server}

@@ -11,6 +11,8 @@ chat template, extra sampled sequences (`best_of`, beam search), and llama-serve
 
 from __future__ import annotations
 
+from . import constraints
+
 # OpenAI's own request fields (openai-python `chat/completion_create_params.py` and
 # `completion_create_params.py`), minus `service_tier` and `web_search_options` (they cost more).
 OPENAI = frozenset({
@@ -19,10 +21,14 @@ OPENAI = frozenset({
     "verbosity", "prediction", "metadata", "safety_identifier", "prompt_cache_key", "store",
 })
 
+# The structured-output spellings beyond OpenAI's, which an adapter rewrites into its runtime's own
+# (`constraints.respelled`).
+STRUCTURED = constraints.FIELDS - {"response_format"}
+
 # vLLM 0.32 `entrypoints/openai/{chat_completion,completion}/protocol.py`.
-VLLM = OPENAI | {
+VLLM = OPENAI | STRUCTURED | {
     "min_p", "min_tokens", "repetition_penalty", "length_penalty", "skip_special_tokens",
-    "spaces_between_special_tokens", "include_stop_str_in_output", "structured_outputs", "bad_words",
+    "spaces_between_special_tokens", "include_stop_str_in_output", "bad_words",
     "allowed_token_ids", "prompt_logprobs", "return_tokens_as_token_ids", "chat_template_kwargs",
     "add_generation_prompt", "continue_final_message", "documents", "truncate_prompt_tokens", "add_special_tokens",
     "include_reasoning", "thinking_token_budget",
@@ -30,7 +36,7 @@ VLLM = OPENAI | {
 
 # SGLang `srt/entrypoints/openai/protocol.py` (ChatCompletionRequest, CompletionRequest) and the
 # native `/generate` sampling params (`srt/sampling/sampling_params.py`).
-SGLANG = OPENAI | {
+SGLANG = OPENAI | STRUCTURED | {
     "min_p", "min_tokens", "min_new_tokens", "regex", "ebnf", "json_schema", "repetition_penalty", "stop_regex",
     "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens", "continue_final_message",
     "separate_reasoning", "stream_reasoning", "chat_template_kwargs",
@@ -41,7 +47,7 @@ TGI = OPENAI | {"tool_prompt", "repetition_penalty", "grammar", "watermark", "to
                 "decoder_input_details"}
 
 # llama.cpp's server (`tools/server/server-schema.cpp`, `server-common.cpp`), build b1-0c1e570.
-LLAMA_SERVER = OPENAI | {
+LLAMA_SERVER = OPENAI | STRUCTURED | {
     "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "dry_multiplier", "dry_base", "dry_allowed_length",
     "dry_penalty_last_n", "dry_sequence_breakers", "xtc_probability", "xtc_threshold", "mirostat", "mirostat_tau",
     "mirostat_eta", "dynatemp_range", "dynatemp_exponent", "top_n_sigma", "min_keep", "grammar", "json_schema",
@@ -61,8 +67,7 @@ HARMLESS = frozenset({"user", "parallel_tool_calls", "metadata", "store", "servi
 
 # servegate's own engine: the sampling knobs and structured outputs it implements
 # (backends/builtin/sampler.py, structured.py), in OpenAI's and vLLM's spellings.
-BUILTIN = HARMLESS | {
+BUILTIN = HARMLESS | STRUCTURED | {
     "min_p", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
-    "top_logprobs", "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar", "guided_json_object", "tools", "tool_choice",
+    "top_logprobs", "response_format", "tools", "tool_choice",
 }

@@ -10,6 +10,7 @@ a final chunk without choices. Runtime adapters (vLLM, SGLang, ...) are profiles
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from .base import (
     UpstreamError,
     Usage,
 )
+from .constraints import respelled
 from .timing import StreamTimer
 
 
@@ -69,6 +71,11 @@ class OpenAICompatBackend(Backend):
     @property
     def extra_fields(self) -> frozenset[str]:
         return self.EXTRA_FIELDS | set(self.config.extra_fields)
+
+    def admit_extras(self, request: GenerateRequest) -> GenerateRequest:
+        """A structured output in the runtime's own spelling first (`constraints.respelled`)."""
+        extra = respelled(request.extra, self.config.runtime)
+        return super().admit_extras(request if extra is request.extra else dataclasses.replace(request, extra=extra))
 
     def __init__(self, config: OpenAICompatConfig, name: str = "openai") -> None:
         self.name, self.config = name, config

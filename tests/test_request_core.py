@@ -391,3 +391,34 @@ def test_a_recounted_stream_is_never_billed_below_one_token_per_piece():
     received.add(Delta(0, "!", (7, 8)))  # ids where the backend gives them
     assert received.choice_texts() == ["Hello world"] and received.floor == 5
     assert received.counted(1) == 5 and received.counted(4) == 6  # the tokenizer's count, floored by the pieces
+
+
+def test_structured_outputs_reach_each_runtime_in_its_own_spelling():
+    """vLLM 0.32 reads only `structured_outputs`, SGLang `json_schema`/`regex`/`ebnf`, llama-server
+    `json_schema` and GBNF `grammar`: the adapter rewrites, or refuses what its runtime cannot say."""
+    from backends.base import InvalidRequest
+    from backends.llamacpp import LlamaCppServerBackend, llama_server_config
+    from backends.sglang import SGLangBackend
+    from backends.vllm import VLLMBackend
+
+    url = "http://127.0.0.1:9"
+    vllm = VLLMBackend(OpenAICompatConfig(base_url=url, model="m"))
+    sglang = SGLangBackend(OpenAICompatConfig(base_url=url, model="m"))
+    llama = LlamaCppServerBackend(llama_server_config(url, "m"))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+    def sent(backend, **extra) -> dict:
+        return backend.admit_extras(GenerateRequest("r", prompt="hi", extra=extra)).extra
+
+    assert sent(vllm, guided_json=schema) == {"structured_outputs": {"json": schema}}
+    assert sent(vllm, guided_choice=["a", "b"], user="u") == {"structured_outputs": {"choice": ["a", "b"]}, "user": "u"}
+    assert sent(vllm, structured_outputs={"regex": "a+"}) == {"structured_outputs": {"regex": "a+"}}
+    assert sent(sglang, structured_outputs={"json": schema}) == {"json_schema": json.dumps(schema)}
+    assert sent(sglang, guided_choice=["a.b", "c"]) == {"regex": r"(a\.b|c)"}
+    assert sent(sglang, structured_outputs={"grammar": 'root ::= "x"'}) == {"ebnf": 'root ::= "x"'}
+    assert sent(llama, guided_json=schema) == {"json_schema": schema}
+    assert sent(llama, structured_outputs={"choice": ["yes", "no"]}) == {"grammar": 'root ::= "yes" | "no"'}
+    assert sent(llama, response_format={"type": "json_object"}) == {"response_format": {"type": "json_object"}}
+    with pytest.raises(InvalidRequest) as refused:
+        sent(llama, structured_outputs={"regex": "a+"})
+    assert refused.value.param == "structured_outputs" and "regex" in refused.value.message

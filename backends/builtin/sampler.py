@@ -70,32 +70,35 @@ def _bias(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[i
 
 def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """vLLM's penalties: repetition divides a positive logit (multiplies a negative one) of every
-    token seen in the prompt or output; frequency subtracts per occurrence in the output, presence
-    once per token that occurred."""
+    token seen in the prompt or output, frequency subtracts per occurrence in the output, presence
+    once per token that occurred. Computed on the (row, token) pairs that occurred, not on whole
+    rows of the vocabulary."""
     rows = [i for i, seq in enumerate(seqs) if seq.params.penalized]
     if not rows:
         return
-    params = [seqs[i].params for i in rows]
-    chosen = logits[rows]
-    counts = _counts([seqs[i].output_ids for i in rows], chosen)
-    repetition = torch.tensor([p.repetition_penalty for p in params])[:, None]
+    vocab = logits.shape[-1]
+
+    def per_row(name: str, default: float) -> torch.Tensor:
+        values = torch.full((len(seqs),), default)
+        values[rows] = torch.tensor([getattr(seqs[i].params, name) for i in rows])
+        return values
+
+    repetition = per_row("repetition_penalty", 1.0)
     if (repetition != 1).any():
-        seen = (counts > 0) | (_counts([seqs[i].token_ids[:seqs[i].num_prompt_tokens] for i in rows], chosen) > 0)
-        chosen = torch.where(seen, torch.where(chosen > 0, chosen / repetition, chosen * repetition), chosen)
-    chosen -= torch.tensor([p.frequency_penalty for p in params])[:, None] * counts
-    chosen -= torch.tensor([p.presence_penalty for p in params])[:, None] * (counts > 0)
-    logits[rows] = chosen
+        seen = _pairs(rows, [seqs[i].token_ids for i in rows], vocab).unique()
+        row, token = seen // vocab, seen % vocab
+        values = logits[row, token]
+        logits[row, token] = torch.where(values > 0, values / repetition[row], values * repetition[row])
+    pairs, counts = _pairs(rows, [seqs[i].output_ids for i in rows], vocab).unique(return_counts=True)
+    row, token = pairs // vocab, pairs % vocab
+    logits[row, token] -= per_row("frequency_penalty", 0.0)[row] * counts + per_row("presence_penalty", 0.0)[row]
 
 
-def _counts(token_lists: list[list[int]], like: torch.Tensor) -> torch.Tensor:
-    """[rows, vocab] occurrences of each token in each row's list."""
-    counts = torch.zeros_like(like)
+def _pairs(rows: list[int], token_lists: list[list[int]], vocab: int) -> torch.Tensor:
+    """Each (row, token) occurrence as row * vocab + token."""
     lengths = torch.tensor([len(tokens) for tokens in token_lists])
-    if lengths.sum():
-        rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
-        ids = torch.tensor(list(itertools.chain.from_iterable(token_lists)))
-        counts.index_put_((rows, ids), torch.ones(len(ids)), accumulate=True)
-    return counts
+    tokens = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long)
+    return torch.repeat_interleave(torch.tensor(rows), lengths) * vocab + tokens
 
 
 def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -106,9 +109,9 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     min_p = torch.tensor([p.min_p for p in params])[:, None]
     if min_p.any():
         probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else probs.shape[-1] for p in params])
-    top_p = torch.tensor([p.top_p for p in params])
-    probs = _filtered(probs, top_k, top_p)
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):  # a sort of the vocabulary, only where asked
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else probs.shape[-1] for p in params])
+        probs = _filtered(probs, top_k, torch.tensor([p.top_p for p in params]))
     race = torch.empty_like(probs).exponential_()
     for row, seq in enumerate(seqs):
         if seq.generator is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy
 import torch
 
 from ..constraints import Constraint
@@ -84,9 +85,6 @@ class Matcher:
         return self.state.is_stopped()
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
 def mask(logits: torch.Tensor, seqs) -> None:
     """Set to -inf, in place, every token a constrained row's grammar does not allow next."""
     rows = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
@@ -97,6 +95,7 @@ def mask(logits: torch.Tensor, seqs) -> None:
     bitmask = torch.empty(len(rows), -(-grammars.vocab_size // 32), dtype=torch.int32)
     grammars.executor.unsafe_compute_mask_ptr([(seqs[i].matcher.state, row) for row, i in enumerate(rows)],
                                               bitmask.data_ptr(), bitmask.shape[1] * 4, len(rows))
-    allowed = ((bitmask[:, :, None] >> _BITS) & 1).view(len(rows), -1)[:, :vocab].bool()
+    # Token 32w + j is bit j of word w: the words' little-endian bytes, unpacked least bit first.
+    allowed = numpy.unpackbits(bitmask.numpy().view(numpy.uint8), axis=1, bitorder="little")[:, :vocab]
     index = torch.tensor(rows)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    logits[index] = logits[index].masked_fill(torch.from_numpy(allowed) == 0, float("-inf"))
