@@ -1,5 +1,6 @@
 """A request's output constraint, whichever way the client spelled it: OpenAI's `response_format`,
-vLLM's `structured_outputs`, or the `guided_*` fields vLLM took before it. One parsed form
+vLLM's `structured_outputs` or the `guided_*` fields it took before, TGI's or llama-server's
+`grammar`. One parsed form
 (`Constraint`) that the built-in engine compiles into token masks and that an adapter spells
 the way its runtime reads it.
 """
@@ -20,7 +21,9 @@ Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 _VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
                "json_object": "json_object"}
 _GUIDED = {f"guided_{name}": kind for name, kind in _VLLM_KINDS.items()}
-FIELDS = frozenset({"response_format", "structured_outputs", *_GUIDED})
+# `grammar`: TGI's `{"type": "json" | "regex" | "json_schema", "value": ...}` (its GrammarType), or
+# llama-server's grammar text.
+FIELDS = frozenset({"response_format", "structured_outputs", "grammar", *_GUIDED})
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,20 @@ def constraint_of(extra: dict[str, Any]) -> Constraint | None:
         if len(kinds) != 1:
             raise InvalidRequest(f"structured_outputs must set exactly one of {', '.join(_VLLM_KINDS)}", param=name)
         return _typed(_VLLM_KINDS[kinds[0]], value[kinds[0]], f"structured_outputs.{kinds[0]}")
+    if name == "grammar":
+        return _tgi_grammar(value) if isinstance(value, dict) else _typed("grammar", value, name)
     return _typed(_GUIDED[name], value, name)
+
+
+def _tgi_grammar(value: dict) -> Constraint:
+    kind, inner = value.get("type"), value.get("value")
+    if kind == "json":
+        return _typed("json_schema", inner, "grammar.value")
+    if kind == "json_schema" and isinstance(inner, dict):
+        return _typed("json_schema", inner.get("schema"), "grammar.value.schema")
+    if kind == "regex":
+        return _typed("regex", inner, "grammar.value")
+    raise InvalidRequest("grammar.type must be json, json_schema or regex", param="grammar")
 
 
 def _response_format(value: Any) -> Constraint | None:
@@ -104,16 +120,18 @@ def respelled(extra: dict[str, Any], runtime: str) -> dict[str, Any]:
     """`extra` with its structured-output fields in the spelling `runtime` reads: vLLM 0.32 only
     `structured_outputs` (its `guided_*` fields are gone, `vllm/sampling_params.py`); SGLang its
     top-level `json_schema`, `regex` and `ebnf` (`srt/entrypoints/openai/protocol.py`); llama-server
-    `json_schema` and a GBNF `grammar` (`tools/server/server-common.cpp`). OpenAI's
-    `response_format` stays: each of them reads it. Other runtimes get `extra` as it is.
-    InvalidRequest naming the field where the runtime has no way to say what was asked."""
+    `json_schema` and a GBNF `grammar` (`tools/server/server-common.cpp`); TGI its GrammarType as
+    `grammar` (its OpenAPI spec: `/generate`'s parameter; its chat route reads the same object as
+    `response_format`). OpenAI's `response_format` stays where the runtime reads it. Other
+    runtimes get `extra` as it is. InvalidRequest naming the field where the runtime has no way
+    to say what was asked."""
     spell = _SPELLINGS.get(runtime)
-    given = [name for name in FIELDS - {"response_format"} if extra.get(name) not in (None, {}, False)]
-    if spell is None or not given or (runtime == "vllm" and given == ["structured_outputs"]):
+    given = {name for name in FIELDS if extra.get(name) not in (None, {}, False)}
+    if spell is None or given <= _NATIVE[runtime]:
         return extra
     constraint = constraint_of(extra)
-    kept = {key: value for key, value in extra.items() if key not in FIELDS or key == "response_format"}
-    return kept | spell(constraint)
+    kept = {key: value for key, value in extra.items() if key not in FIELDS}
+    return kept | spell(constraint) if constraint else kept
 
 
 def _vllm(c: Constraint) -> dict:
@@ -126,7 +144,7 @@ def _sglang(c: Constraint) -> dict:
     if c.kind == "json_object":
         return {"response_format": {"type": "json_object"}}
     if c.kind == "choice":
-        return {"regex": "(" + "|".join(re.escape(choice) for choice in json.loads(c.value)) + ")"}
+        return {"regex": _alternatives(c)}
     return {{"json_schema": "json_schema", "regex": "regex", "grammar": "ebnf"}[c.kind]: c.value}
 
 
@@ -143,4 +161,19 @@ def _llama_server(c: Constraint) -> dict:
     raise InvalidRequest(f"{c.source}: llama-server takes no {what}", param=c.source)
 
 
-_SPELLINGS = {"vllm": _vllm, "sglang": _sglang, "llama-server": _llama_server}
+def _tgi(c: Constraint) -> dict:
+    if c.kind in ("regex", "choice"):
+        return {"grammar": {"type": "regex", "value": c.value if c.kind == "regex" else _alternatives(c)}}
+    if c.schema is not None:
+        return {"grammar": {"type": "json", "value": c.schema}}
+    raise InvalidRequest(f"{c.source}: TGI takes no grammar but a JSON schema or a regex", param=c.source)
+
+
+def _alternatives(c: Constraint) -> str:
+    return "(" + "|".join(re.escape(choice) for choice in json.loads(c.value)) + ")"
+
+
+_SPELLINGS = {"vllm": _vllm, "sglang": _sglang, "llama-server": _llama_server, "tgi": _tgi}
+# What each runtime reads as it is: OpenAI's response_format (TGI's chat route reads its own shape).
+_NATIVE = {"vllm": {"response_format", "structured_outputs"}, "sglang": {"response_format"},
+           "llama-server": {"response_format"}, "tgi": set()}

@@ -43,14 +43,14 @@ SGLANG = OPENAI | STRUCTURED | {
 }
 
 # TGI 3.3.7 (its OpenAPI spec): the chat route's ChatRequest and `/generate`'s GenerateParameters.
-TGI = OPENAI | {"tool_prompt", "repetition_penalty", "grammar", "watermark", "top_n_tokens", "typical_p", "truncate",
-                "decoder_input_details"}
+TGI = OPENAI | STRUCTURED | {"tool_prompt", "repetition_penalty", "watermark", "top_n_tokens", "typical_p",
+                             "truncate", "decoder_input_details"}
 
 # llama.cpp's server (`tools/server/server-schema.cpp`, `server-common.cpp`), build b1-0c1e570.
 LLAMA_SERVER = OPENAI | STRUCTURED | {
     "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "dry_multiplier", "dry_base", "dry_allowed_length",
     "dry_penalty_last_n", "dry_sequence_breakers", "xtc_probability", "xtc_threshold", "mirostat", "mirostat_tau",
-    "mirostat_eta", "dynatemp_range", "dynatemp_exponent", "top_n_sigma", "min_keep", "grammar", "json_schema",
+    "mirostat_eta", "dynatemp_range", "dynatemp_exponent", "top_n_sigma", "min_keep", "json_schema",
     "n_probs", "post_sampling_probs", "samplers", "chat_template_kwargs", "reasoning_format",
     "add_generation_prompt", "continue_final_message",
 }

@@ -67,10 +67,13 @@ class TGIBackend(OpenAICompatBackend):
 
     def _body(self, request: GenerateRequest) -> tuple[str, dict]:
         """The chat route validates like `/generate`: `top_p` must be < 1 (`validation.rs`
-        `ValidationError::TopP`, TGI issue #2222), so 1.0, no cut, is said by leaving it out."""
+        `ValidationError::TopP`, TGI issue #2222), so 1.0, no cut, is said by leaving it out. It
+        reads `/generate`'s `grammar` object as `response_format`."""
         path, body = super()._body(request)
         if body.get("top_p") == 1.0:
             del body["top_p"]
+        if "grammar" in body:
+            body["response_format"] = body.pop("grammar")
         return path, body
 
     async def _model_max_len(self) -> int:

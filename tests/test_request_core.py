@@ -399,6 +399,7 @@ def test_structured_outputs_reach_each_runtime_in_its_own_spelling():
     from backends.base import InvalidRequest
     from backends.llamacpp import LlamaCppServerBackend, llama_server_config
     from backends.sglang import SGLangBackend
+    from backends.tgi import TGIBackend
     from backends.vllm import VLLMBackend
 
     url = "http://127.0.0.1:9"
@@ -422,3 +423,13 @@ def test_structured_outputs_reach_each_runtime_in_its_own_spelling():
     with pytest.raises(InvalidRequest) as refused:
         sent(llama, structured_outputs={"regex": "a+"})
     assert refused.value.param == "structured_outputs" and "regex" in refused.value.message
+    tgi = TGIBackend(OpenAICompatConfig(base_url=url, model="m"))
+    tgi.config.runtime = "tgi"  # as its start() sets it
+    openai_shaped = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    assert sent(tgi, response_format=openai_shaped) == {"grammar": {"type": "json", "value": schema}}
+    assert sent(tgi, structured_outputs={"regex": "a+"}) == {"grammar": {"type": "regex", "value": "a+"}}
+    tgi_shaped = {"type": "json", "value": schema}
+    assert sent(vllm, grammar=tgi_shaped) == {"structured_outputs": {"json": schema}}  # a TGI client, moved to vLLM
+    chat = GenerateRequest("r", messages=[{"role": "user", "content": "hi"}],
+                           extra={"response_format": openai_shaped})
+    assert tgi._body(tgi.admit_extras(chat))[1]["response_format"] == tgi_shaped  # TGI's chat route: its own shape

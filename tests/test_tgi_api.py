@@ -163,3 +163,20 @@ def test_tgi_routes_refuse_lone_surrogates_and_oversized_counts_with_422(tgi):
     huge = httpx.post(f"{url}/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 10**30}},
                       headers=headers)
     assert huge.status_code == 422 and "max_new_tokens" in huge.json()["error"]
+
+
+def test_a_tgi_clients_grammar_constrains_the_builtin_engine(tgi):
+    """TGI's `grammar` parameter (`{"type": "regex" | "json", "value": ...}`) is honoured when the
+    backend behind the TGI routes is servegate's own engine, as it would be by TGI itself."""
+    import re
+
+    from text_generation.types import Grammar, GrammarType
+
+    url, key, _ = tgi
+    client = text_generation.Client(url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    digits = client.generate(PROMPT, max_new_tokens=12, grammar=Grammar(type=GrammarType.Regex, value="[0-9]{3}-[ab]"))
+    assert re.fullmatch(r"[0-9]{3}-[ab]", digits.generated_text), digits.generated_text
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    answer = client.generate(PROMPT, max_new_tokens=20, grammar=Grammar(type=GrammarType.Json, value=schema))
+    assert isinstance(json.loads(answer.generated_text)["ok"], bool), answer.generated_text
