@@ -7,8 +7,8 @@ For each system, through the `openai` SDK, greedy, with the penalties the tests 
 otherwise loops inside strings): the share of outputs that parse and validate against their
 schema (jsonschema, draft 2020-12 with formats), and the output throughput at the given
 concurrency with every request constrained by its schema (`response_format: json_schema`) and
-with the same requests unconstrained, each made to write as many tokens as its constrained answer
-did (`max_tokens` and `ignore_eos`), in alternating rounds after a warm-up. Then the grammar
+with the same requests unconstrained, each made to write as many tokens as its answer in the
+constrained run just before (`max_tokens` and `ignore_eos`), after a warm-up. Then the grammar
 compile time per schema, each library on the same tokenizer: llguidance as servegate runs it
 (grammar text, matcher, first token mask), and xgrammar as vLLM runs it (`GrammarCompiler`,
 8 threads, `compile_json_schema`) in vLLM's own environment.
@@ -98,12 +98,11 @@ def valid(text: str, schema: dict) -> bool:
 def measure(url: str, key: str, model: str, args) -> dict:
     async def rounds():
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=900) as client:
-            _, lengths, _ = await run(client, model, args.concurrency)  # warm-up: vLLM compiles its batch shapes
+            await run(client, model, args.concurrency)  # warm-up: vLLM compiles its batch shapes
             figures = {"free": [], "constrained": []}
-            for round_ in range(args.rounds):
-                for kind in (("constrained", "free") if round_ % 2 == 0 else ("free", "constrained")):
-                    figures[kind].append(await run(client, model, args.concurrency,
-                                                   lengths if kind == "free" else None))
+            for _ in range(args.rounds):  # each free run writes what the constrained run before it wrote
+                figures["constrained"].append(await run(client, model, args.concurrency))
+                figures["free"].append(await run(client, model, args.concurrency, figures["constrained"][-1][1]))
             return figures
 
     figures = asyncio.run(rounds())

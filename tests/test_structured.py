@@ -164,6 +164,10 @@ def test_logprobs_are_the_models_own(client, hf_model, default_model):
     lp = completion.choices[0].logprobs
     assert "".join(lp.tokens) == completion.choices[0].text and len(lp.token_logprobs) == 5
     assert lp.text_offset[0] == 0 and all(len(top) == 3 for top in lp.top_logprobs)
+    echoed = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5,
+                                       echo=True)
+    assert echoed.choices[0].text == "The capital of France is" + completion.choices[0].text
+    assert echoed.usage.completion_tokens == 5
 
 
 def test_sampling_knobs_do_what_they_say(client, default_model):
@@ -207,6 +211,7 @@ def test_bad_inputs_are_400s_naming_the_field(base_url):
     assert refused("chat", logit_bias={"hello": 5})["param"] == "logit_bias"
     assert refused("chat", frequency_penalty=3)["param"] == "frequency_penalty"
     assert refused("chat", min_tokens=10)["param"] == "min_tokens"  # more than max_tokens
+    assert refused("text", echo=True, logprobs=2)["param"] == "echo"  # prompt logprobs are not computed
     assert refused("chat", response_format={"type": "json_object"}, guided_regex="a+")["param"] in (
         "response_format", "guided_regex")
 

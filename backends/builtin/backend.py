@@ -109,11 +109,16 @@ class BuiltinBackend(Backend):
         reasons: list[str | None] = [None] * params.n
         offsets = [0] * params.n  # characters of each choice's text so far (completions' text_offset)
         parsers = [ToolCallParser() for _ in range(params.n)] if ToolUse.of(request.extra) else None
+        echo = self._echo(request, prompt_ids)
+        unechoed = set(range(params.n)) if echo else set()
         completion_tokens = cached = 0
         async for out in front.stream(request.request_id, prompt_ids, params, request.stop):
             completion_tokens += len(out.token_ids)
             cached = max(cached, out.num_cached_tokens)
             text, reason, extra = out.text, out.finish_reason, {}
+            if out.index in unechoed:  # with each choice's first piece: an engine error still comes first
+                text = echo + text
+                unechoed.discard(out.index)
             if out.logprobs:
                 texts = self._token_texts()
                 extra["logprobs"] = (logprobs.chat(texts, out.token_ids, out.logprobs) if request.messages else
@@ -130,6 +135,17 @@ class BuiltinBackend(Backend):
                 reasons[out.index] = reason
             yield Delta(out.index, text, out.token_ids, reason, extra or None)
         yield Finish(tuple(reasons), Usage(len(prompt_ids), completion_tokens, cached))
+
+    def _echo(self, request: GenerateRequest, prompt_ids: list[int]) -> str:
+        """Completions' `echo`: the prompt before each choice's text (prompt logprobs are not
+        computed: the model's logits are taken only where a token is sampled)."""
+        if not request.extra.get("echo"):
+            return ""
+        if request.messages is not None:
+            raise InvalidRequest("echo is a completions parameter", param="echo")
+        if request.extra.get("logprobs") is not None:
+            raise InvalidRequest("echo with logprobs (the prompt's logprobs) is not supported", param="echo")
+        return request.prompt if request.prompt is not None else self.tokenizer.decode(prompt_ids)
 
     def _token_texts(self) -> logprobs.TokenTexts:
         if self._texts is None:
