@@ -41,30 +41,23 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[
     sampled = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
     if sampled:
         tokens[sampled] = _draw(logits[sampled], [seqs[i] for i in sampled])
-    chosen = tokens.tolist()
     logprobs: list[Logprob | None] = [None] * len(seqs)
     if raw is not None:
-        for row, i in enumerate(logprob_rows):
-            logprobs[i] = _logprob(raw[row], chosen[i], seqs[i].params.logprobs)
-    return chosen, logprobs
-
-
-def _logprob(row: torch.Tensor, token: int, k: int) -> Logprob:
-    values, ids = row.topk(k) if k else (row[:0], row[:0].long())
-    return Logprob(float(row[token]), tuple(zip(ids.tolist(), values.tolist())))
+        ks = [seqs[i].params.logprobs for i in logprob_rows]
+        top_values, top_ids = raw.topk(max(ks), dim=-1)
+        chosen = raw.gather(1, tokens[logprob_rows][:, None])[:, 0].tolist()
+        for row, (i, k) in enumerate(zip(logprob_rows, ks)):
+            logprobs[i] = Logprob(chosen[row], tuple(zip(top_ids[row, :k].tolist(), top_values[row, :k].tolist())))
+    return tokens.tolist(), logprobs
 
 
 def _bias(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int]) -> None:
     """logit_bias added; end-of-sequence and stop tokens barred until a row has min_tokens."""
-    rows, ids, values = [], [], []
-    for i, seq in enumerate(seqs):
-        params = seq.params
-        for token, bias in params.logit_bias:
-            rows.append(i), ids.append(token), values.append(bias)
-        if seq.num_output_tokens < params.min_tokens:
-            for token in itertools.chain(eos_token_ids, params.stop_token_ids):
-                rows.append(i), ids.append(token), values.append(float("-inf"))
-    if rows:
+    entries = [(i, token, bias) for i, seq in enumerate(seqs) for token, bias in seq.params.logit_bias]
+    entries += [(i, token, float("-inf")) for i, seq in enumerate(seqs) if seq.num_output_tokens < seq.params.min_tokens
+                for token in (*eos_token_ids, *seq.params.stop_token_ids)]
+    if entries:
+        rows, ids, values = zip(*entries)
         logits.index_put_((torch.tensor(rows), torch.tensor(ids)), torch.tensor(values), accumulate=True)
 
 
