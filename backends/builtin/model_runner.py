@@ -30,6 +30,32 @@ def quantized(model: torch.nn.Module, weight_quant: str, device: torch.device) -
         return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear: qconfig}, dtype=torch.qint8)
 
 
+class PackedLinear(torch.nn.Module):
+    """A Linear whose weight oneDNN reorders once into its own blocked layout, as vLLM's CPU build
+    prepacks its weights: at the few rows of a decode step, bf16 GEMMs read it 1.5-3x faster than
+    a row-major weight here, with the same results."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 16)  # 16: a batch hint
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+def prepacked(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """bf16 on the CPU: every Linear packed for oneDNN. Elsewhere the model as it is (in float32
+    packing changes results in the last bits, and the tests hold float32 to the references)."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return model
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if type(child) is torch.nn.Linear:
+                setattr(parent, name, PackedLinear(child))
+    return model
+
+
 def pick_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
     """The dtype, and why: `auto` takes bfloat16 where it is native (the CPU's AVX512-BF16 or AMX,
     or a CUDA device that has it), float32 elsewhere, where bf16 would be emulated."""
@@ -63,8 +89,9 @@ class ModelRunner:
             raise ValueError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-        self.model = quantized(model.to(device=self.device, dtype=self.dtype).eval(), config.weight_quant,
-                               self.device)
+        model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model = quantized(model, config.weight_quant, self.device) if config.weight_quant != "none" else \
+            prepacked(model, self.dtype, self.device)
         self.model.inv_freq = rope_inv_freq(cfg).to(self.device)  # kept in fp32, as the reference does
         int8 = config.kv_cache_dtype == "int8"
         self.kv_caches = [
