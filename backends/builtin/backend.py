@@ -105,10 +105,11 @@ class BuiltinBackend(Backend):
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         info, front = self._ready()
         prompt_ids = self._counted.pop(_prompt_key(request), None) or self._prompt_ids(info, request)
-        params = self._sampling_params(info, request, len(prompt_ids))
+        tool_use = ToolUse.of(request.extra)
+        params = self._sampling_params(info, request, len(prompt_ids), tool_use)
         reasons: list[str | None] = [None] * params.n
         offsets = [0] * params.n  # characters of each choice's text so far (completions' text_offset)
-        parsers = [ToolCallParser() for _ in range(params.n)] if ToolUse.of(request.extra) else None
+        parsers = [ToolCallParser() for _ in range(params.n)] if tool_use else None
         echo = self._echo(request, prompt_ids)
         unechoed = set(range(params.n)) if echo else set()
         completion_tokens = cached = 0
@@ -119,11 +120,12 @@ class BuiltinBackend(Backend):
             if out.index in unechoed:  # with each choice's first piece: an engine error still comes first
                 text = echo + text
                 unechoed.discard(out.index)
-            if out.logprobs:
-                texts = self._token_texts()
-                extra["logprobs"] = (logprobs.chat(texts, out.token_ids, out.logprobs) if request.messages else
-                                     logprobs.completion(texts, out.token_ids, out.logprobs, offsets[out.index]))
-                offsets[out.index] += sum(len(texts.text(token)) for token in out.token_ids)
+            if out.logprobs and request.messages:
+                extra["logprobs"] = logprobs.chat(self._token_texts(), out.token_ids, out.logprobs)
+            elif out.logprobs:
+                extra["logprobs"] = logprobs.completion(self._token_texts(), out.token_ids, out.logprobs,
+                                                        offsets[out.index])
+                offsets[out.index] += sum(map(len, extra["logprobs"]["tokens"]))
             if parsers:
                 parser = parsers[out.index]
                 text, calls = parser.feed(text, final=reason is not None)
@@ -173,7 +175,8 @@ class BuiltinBackend(Backend):
             raise InvalidRequest(f"the chat template cannot render these messages: {exc}", param="messages") from exc
         return tokenizer.encode(text, add_special_tokens=False)  # the template holds any special tokens
 
-    def _sampling_params(self, info: CoreInfo, request: GenerateRequest, num_prompt_tokens: int) -> SamplingParams:
+    def _sampling_params(self, info: CoreInfo, request: GenerateRequest, num_prompt_tokens: int,
+                         tool_use: ToolUse | None) -> SamplingParams:
         request = self.admit_extras(request)  # whoever calls the engine directly gets the same refusal
         if request.max_tokens is not None and request.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
@@ -204,7 +207,7 @@ class BuiltinBackend(Backend):
             frequency_penalty=_number(extra, "frequency_penalty", float, 0.0, -2.0, 2.0),
             repetition_penalty=_number(extra, "repetition_penalty", float, 1.0, 1e-6, 100.0),
             logit_bias=_logit_bias(extra.get("logit_bias"), info.vocab_size),
-            logprobs=_logprobs(request), grammar=_grammar(extra),
+            logprobs=_logprobs(request), grammar=_grammar(extra, tool_use),
         )
 
     # -- introspection ------------------------------------------------------------------
@@ -312,9 +315,8 @@ def _logprobs(request: GenerateRequest) -> int | None:
     return value
 
 
-def _grammar(extra: dict):
+def _grammar(extra: dict, tool_use: ToolUse | None):
     """The output's constraint: the tool choice's grammar, or the structured output asked for."""
-    tool_use = ToolUse.of(extra)
     constraint = constraint_of(extra)
     if tool_use and constraint:
         raise InvalidRequest("tools and a structured output cannot constrain one answer together", param="tools")

@@ -194,9 +194,8 @@ class LLMEngine:
         seq.token_ids.append(token)
         params = seq.params
         reason = None
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            reason = "stop"
-        if seq.matcher is not None and seq.matcher.accept(token):  # the grammar is complete
+        grammar_done = seq.matcher is not None and seq.matcher.accept(token)  # every token advances it
+        if grammar_done or (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             reason = "stop"
         elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
             reason = "length"
