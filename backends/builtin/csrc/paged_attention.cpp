@@ -6,6 +6,9 @@
 // position p sees keys 0..p (causal, and a chunk after cached tokens sees all of them).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -34,6 +37,105 @@ static inline float exp_nonpositive(float x) {
   return e * scale;
 }
 
+#if defined(__AVX512BF16__)
+// Sixteen vectors in, one out: lane i holds the sum of v[i]'s lanes. Four rounds of pairing
+// (45 instructions) instead of sixteen horizontal sums.
+static inline __m512 sum_lanes16(const __m512 v[16]) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xdd));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xdd));
+}
+
+// Pass 1 for a bf16 cache on a CPU with AVX512-BF16: each score is a dot product of bf16 pairs
+// (VDPBF16PS: exact products, float32 sums) with no widening of the keys, sixteen slots at a
+// time, their sums gathered by `sum_lanes16`. The query is a bf16 model's, so it converts exactly.
+template <int64_t D>
+static void bf16_scores(const float* q, const at::BFloat16* key_cache, const at::BFloat16* value_cache,
+                        const int64_t* table, int64_t len,
+                        int64_t heads, int64_t kv_heads, int64_t block_size, float scale, float* scores) {
+  constexpr int64_t kPairs = D / 32;  // 32 bf16 values per register
+  const int64_t group = heads / kv_heads, slot_stride = kv_heads * D;
+  std::vector<__m512bh> qb(heads * kPairs);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t p = 0; p < kPairs; ++p)
+      qb[h * kPairs + p] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + h * D + 32 * p + 16), _mm512_loadu_ps(q + h * D + 32 * p));
+  // Sixteen slots at a time, every head over them, so their rows are read from memory once, in order.
+  for (int64_t j0 = 0; j0 < len; j0 += 16) {
+    const at::BFloat16* slots[16];
+    for (int64_t i = 0; i < 16; ++i) {
+      const int64_t j = std::min(j0 + i, len - 1);  // past the end: a repeat, not stored
+      slots[i] = key_cache + (table[j / block_size] * block_size + j % block_size) * slot_stride;
+    }
+    const __mmask16 valid = (1u << std::min<int64_t>(16, len - j0)) - 1;
+    // The blocks are scattered, so no hardware prefetcher guesses the next slots: ask for them,
+    // keys for this pass, values for the third.
+    for (int64_t j = j0 + 16; j < std::min(j0 + 32, len); ++j) {
+      const int64_t slot = (table[j / block_size] * block_size + j % block_size) * slot_stride;
+      for (int64_t byte = 0; byte < slot_stride * 2; byte += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(key_cache + slot) + byte, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(value_cache + slot) + byte, _MM_HINT_T1);
+      }
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t offset = h / group * D;
+      __m512 acc[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        acc[i] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < kPairs; ++p)
+          acc[i] = _mm512_dpbf16_ps(acc[i], qb[h * kPairs + p], (__m512bh)_mm512_loadu_si512(slots[i] + offset + 32 * p));
+      }
+      _mm512_mask_storeu_ps(scores + h * len + j0, valid, _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scale)));
+    }
+  }
+}
+#endif
+
+// Normalized exponentials of s[0..len), in place, shifted by their max.
+static void softmax(float* s, int64_t len) {
+#if defined(__AVX512F__)
+  // The compiler does not vectorize exp_nonpositive's bit tricks: this is it sixteen at a time.
+  const auto tail = [&](int64_t j) { return (__mmask16)((1u << std::min<int64_t>(16, len - j)) - 1); };
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < len; j += 16) m = _mm512_mask_max_ps(m, tail(j), m, _mm512_maskz_loadu_ps(tail(j), s + j));
+  const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < len; j += 16) {
+    __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail(j), s + j), max), _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+      p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    const __m512 e = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    x = _mm512_mul_ps(e, _mm512_castsi512_ps(bits));
+    sum = _mm512_mask_add_ps(sum, tail(j), sum, x);
+    _mm512_mask_storeu_ps(s + j, tail(j), x);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+  for (int64_t j = 0; j < len; j += 16) _mm512_mask_storeu_ps(s + j, tail(j), _mm512_mul_ps(_mm512_maskz_loadu_ps(tail(j), s + j), inv));
+#else
+  const float max = *std::max_element(s, s + len);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < len; ++j) {
+    s[j] = exp_nonpositive(s[j] - max);
+    sum += s[j];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t j = 0; j < len; ++j) s[j] *= inv;
+#endif
+}
+
 constexpr int64_t kMaxGroup = 4;  // query heads per KV head whose value sums are kept at once
 
 // Attention of one query token (all its heads) over keys 0..position of its sequence, reading
@@ -46,10 +148,16 @@ static void attend(const float* q, const scalar_t* key_cache, const scalar_t* va
   const int64_t len = position + 1, group = heads / kv_heads, slot_stride = kv_heads * D;
   const int64_t blocks = (len + block_size - 1) / block_size;
   scores.resize(heads * len);
-  // Pass 1: scores, every head of a slot at once (the slot's rows are contiguous). Each KV head's
-  // row is widened to float32 once, in its own vectorized loop, for the query heads that share it
-  // (converting inside the dot product kept bf16 from vectorizing: twice float32's time).
   float row[D];
+  // Pass 1: scores.
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    bf16_scores<D>(q, key_cache, value_cache, table, len, heads, kv_heads, block_size, scale, scores.data());
+  } else
+#endif
+  // Every head of a slot at once (the slot's rows are contiguous). Each KV head's row is widened
+  // to float32 once, in its own vectorized loop, for the query heads that share it (converting
+  // inside the dot product kept bf16 from vectorizing: twice float32's time).
   for (int64_t b = 0, j = 0; b < blocks; ++b) {
     const scalar_t* k_block = key_cache + table[b] * block_size * slot_stride;
     for (int64_t i = 0; i < block_size && j < len; ++i, ++j) {
@@ -70,19 +178,7 @@ static void attend(const float* q, const scalar_t* key_cache, const scalar_t* va
     }
   }
   // Pass 2: softmax per head.
-  for (int64_t h = 0; h < heads; ++h) {
-    float* s = scores.data() + h * len;
-    const float max = *std::max_element(s, s + len);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < len; ++j) {
-      s[j] = exp_nonpositive(s[j] - max);
-      sum += s[j];
-    }
-    const float inv = 1.f / sum;
-#pragma omp simd
-    for (int64_t j = 0; j < len; ++j) s[j] *= inv;
-  }
+  for (int64_t h = 0; h < heads; ++h) softmax(scores.data() + h * len, len);
   // Pass 3: weighted values, one KV head at a time: its row is widened once for the query heads
   // that share it, whose accumulators (up to kMaxGroup of them) stay in registers.
   for (int64_t g = 0; g < kv_heads; ++g) {
