@@ -102,6 +102,19 @@ def test_native_and_pytorch_attention_give_the_same_tokens(make_engine, default_
     assert run(native, prompts, params) == run(make_engine(attention="torch"), prompts, params)
 
 
+def test_native_layer_ops_give_the_pytorch_paths_next_tokens_in_bf16(make_engine, default_model):
+    """The model wired with the fused ops predicts what it predicts without them (the ops differ
+    from PyTorch's by at most a bf16 ulp, rarely: later tokens of a near tie may part ways)."""
+    tok = default_model.tokenizer
+    prompts = [tok.encode(f"Recipe {i}: first, take") for i in range(4)] + [tok.encode("A long one. " * 150)]
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine = make_engine(dtype="bfloat16", attention="native", enable_prefix_caching=False)
+    assert engine.runner.model.ops is not None
+    fused = run(engine, prompts, params)
+    engine.runner.model.ops = None
+    assert run(engine, prompts, params) == fused
+
+
 def test_int8_weights_keep_a_simple_answer(make_engine, default_model):
     tok = default_model.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],

@@ -1,4 +1,6 @@
-"""The native paged-attention kernel, compiled on first use with `torch.utils.cpp_extension`.
+"""The native CPU kernels, compiled on first use with `torch.utils.cpp_extension`: paged
+attention (`csrc/paged_attention.cpp`) and a bf16 decoder layer's element-wise work
+(`csrc/layer_ops.cpp`: residual add + RMSNorm, rotary embedding, SiLU-and-multiply).
 
 The build (about 30 s on 2 cores, once per machine: torch caches it under
 ~/.cache/torch_extensions, under a name that carries the CPU's feature flags, since it is built
@@ -19,7 +21,8 @@ import torch
 from ..cpu import cpu_flags
 
 log = logging.getLogger("servegate.kernels")
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+SOURCES = [str(Path(__file__).parent / "csrc" / name) for name in ("paged_attention.cpp", "layer_ops.cpp",
+                                                                    "module.cpp")]
 _lock = threading.Lock()
 _module = None
 _failed: str | None = None
@@ -36,22 +39,22 @@ def _load():
 
                 machine = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
                 # -fopenmp: at::parallel_for is inline and runs serially in code built without it.
-                _module = load(f"servegate_paged_attention_{machine}", [str(SOURCE)],
+                _module = load(f"servegate_cpu_kernels_{machine}", SOURCES,
                                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                                verbose=False)
             except Exception as exc:  # no compiler, no ninja, a failed build...
                 _failed = f"{type(exc).__name__}: {exc}"
-                log.warning("native paged attention unavailable, using the PyTorch path: %s", _failed)
+                log.warning("native CPU kernels unavailable, using the PyTorch path: %s", _failed)
             finally:
                 done.set()
             if _module is not None and time.monotonic() - started > 5:
-                log.info("native paged-attention kernel compiled in %.0f s", time.monotonic() - started)
+                log.info("native CPU kernels compiled in %.0f s", time.monotonic() - started)
     return _module
 
 
 def _report_progress(started: float, done: threading.Event) -> None:
     while not done.wait(10):
-        log.info("compiling the native paged-attention kernel: %.0f s so far (once per machine, about 30 s; "
+        log.info("compiling the native CPU kernels: %.0f s so far (once per machine, about 30 s; "
                  "needs a C++ compiler)", time.monotonic() - started)
 
 
@@ -68,3 +71,8 @@ def paged_attention(q: torch.Tensor, kv, block_tables: torch.Tensor, positions: 
     out = _load().paged_attention(q.float().contiguous(), kv.data[0], kv.data[1], scales, block_tables, positions,
                                   scale)
     return out.to(q.dtype)
+
+
+def layer_ops(device: torch.device, dtype: torch.dtype):
+    """The fused element-wise ops where they serve (bf16 on the CPU), else None."""
+    return _load() if device.type == "cpu" and dtype == torch.bfloat16 else None

@@ -93,6 +93,8 @@ class ModelRunner:
         self.model = quantized(model, config.weight_quant, self.device) if config.weight_quant != "none" else \
             prepacked(model, self.dtype, self.device)
         self.model.inv_freq = rope_inv_freq(cfg).to(self.device)  # kept in fp32, as the reference does
+        if config.weight_quant == "none" and config.attention != "torch":
+            self.model.ops = kernels.layer_ops(self.device, self.dtype)
         int8 = config.kv_cache_dtype == "int8"
         self.kv_caches = [
             LayerKV.allocate(num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype,

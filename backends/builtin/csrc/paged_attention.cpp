@@ -247,7 +247,3 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
   }
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "Exact attention over a paged KV cache (CPU)");
-}

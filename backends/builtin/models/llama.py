@@ -86,11 +86,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ops) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream's next value (x + residual, or x first) and its normalized form;
+        with the native ops, in one pass that overwrites x and residual."""
+        if ops is not None:
+            residual = torch.zeros_like(x) if residual is None else residual
+            ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = x if residual is None else x + residual
+        dtype = residual.dtype
+        x = residual.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * x.to(dtype), residual
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -108,13 +115,18 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(hidden, sum(self.sizes), bias=False)  # q, k, v in one GEMM
         self.o_proj = nn.Linear(q_size, hidden, bias=False)
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, ops) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        if ops is not None:
+            ops.rotary(qkv, cos, sin, self.num_heads, self.num_kv_heads)
+        q, k, v = qkv.split(self.sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        if ops is None:
+            cos, sin = cos[:, None, :], sin[:, None, :]
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
         out = paged_attention(q, k, v, kv_cache, meta, self.head_dim**-0.5)
         return self.o_proj(out.flatten(1))
 
@@ -125,7 +137,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        if ops is not None:
+            return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -154,9 +168,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv_cache, meta, ops) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the last sublayer's output, residual: the stream before it (None at the first layer)."""
+        x, residual = self.input_layernorm(x, residual, ops)
+        x = self.self_attn(x, cos, sin, kv_cache, meta, ops)
+        x, residual = self.post_attention_layernorm(x, residual, ops)
+        return self.mlp(x, ops), residual
 
 
 class LlamaModel(nn.Module):
@@ -176,6 +193,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.inv_freq: torch.Tensor | None = None  # fp32 RoPE frequencies, set by the runner on its device
+        self.ops = None  # the native element-wise ops (kernels.layer_ops), set by the runner where they serve
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
@@ -185,8 +203,9 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
-        x = self.model.norm(x[logits_index])
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta, self.ops)
+        x, _ = self.model.norm(x[logits_index], residual[logits_index], self.ops)
         return self.lm_head(x).float()
