@@ -36,6 +36,7 @@ class GenerateRequest:
     ignore_eos: bool = False
     n: int = 1
     extra: dict[str, Any] = field(default_factory=dict)  # runtime-specific, passed through untouched
+    trace_headers: dict[str, str] = field(default_factory=dict)  # W3C `traceparent` for an upstream server
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]

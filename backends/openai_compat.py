@@ -124,7 +124,7 @@ class OpenAICompatBackend(Backend):
         path, body = self._body(request)
         reasons: list[str | None] = [None] * request.n
         usage, pieces = None, 0
-        async for chunk in self.stream_events(path, body):
+        async for chunk in self.stream_events(path, body, request.trace_headers):
             if "error" in chunk:
                 raise error_from_body(chunk)
             if chunk.get("usage"):
@@ -144,11 +144,12 @@ class OpenAICompatBackend(Backend):
         # streamed pieces, one token each as these servers send them; the prompt stays unknown (0).
         yield Finish(tuple(r or "stop" for r in reasons), usage or Usage(0, pieces))
 
-    async def stream_events(self, path: str, body: dict) -> AsyncIterator[dict]:
-        """POST `body` and yield each SSE event's JSON until `[DONE]` or the end of the stream.
-        Refused connections, timeouts and HTTP errors become the matching `BackendError`."""
+    async def stream_events(self, path: str, body: dict, headers: dict[str, str] | None = None) -> AsyncIterator[dict]:
+        """POST `body` (with `headers`: a trace's context) and yield each SSE event's JSON until
+        `[DONE]` or the end of the stream. Refused connections, timeouts and HTTP errors become the
+        matching `BackendError`."""
         try:
-            async with await self._post(path, body) as response:
+            async with await self._post(path, body, headers=headers) as response:
                 if response.status >= 400:
                     raise self.error_for_status(response.status, await response.read())
                 async for data in sse_data(response.content, self.config.timeouts.between_chunks):

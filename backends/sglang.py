@@ -48,7 +48,7 @@ class SGLangBackend(OpenAICompatBackend):
         prompt = request.prompt
         body |= {"text": prompt} if prompt is not None else {"input_ids": list(request.prompt_token_ids)}
         sent, meta = "", {}
-        async for chunk in self.stream_events("/generate", body):
+        async for chunk in self.stream_events("/generate", body, request.trace_headers):
             if "error" in chunk:
                 raise error_from_body(chunk)
             text, meta = chunk.get("text", ""), chunk.get("meta_info") or {}

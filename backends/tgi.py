@@ -98,7 +98,7 @@ class TGIBackend(OpenAICompatBackend):
         if request.prompt is None:
             raise InvalidRequest("TGI takes text prompts, not token ids", param="prompt")
         body = {"inputs": request.prompt, "parameters": self._parameters(request)}
-        async for event in self.stream_events("/generate_stream", body):
+        async for event in self.stream_events("/generate_stream", body, request.trace_headers):
             if "error" in event:
                 raise tgi_error(event.get("error_type"), message_of(event))
             token = event.get("token") or {}

@@ -7,6 +7,7 @@ import contextlib
 import logging
 
 from fastapi import FastAPI
+from opentelemetry.trace import TracerProvider
 from sqlalchemy import Engine
 
 from backends.base import Backend
@@ -16,6 +17,7 @@ from .db import make_engine
 from .errors import BodyTooLarge, install_error_handlers
 from .service import Gateway
 from .settings import Settings
+from .tracing import TRACER_NAME, TraceRequests, otlp_provider
 
 log = logging.getLogger("servegate.gateway")
 
@@ -47,11 +49,16 @@ class BodyLimit:
         await self.app(scope, limited_receive, send)
 
 
-def create_app(backends: dict[str, Backend], settings: Settings | None = None, db: Engine | None = None) -> FastAPI:
+def create_app(backends: dict[str, Backend], settings: Settings | None = None, db: Engine | None = None,
+               tracer_provider: TracerProvider | None = None) -> FastAPI:
     """An app serving `backends` (served model id -> backend) to the tenants in the database.
     Backends start in the background, so probes answer at once and /ready turns 200 when
-    they are loaded."""
+    they are loaded. Requests are traced into `tracer_provider`, else to the OTLP collector the
+    settings name, else not at all."""
     settings = settings or Settings()
+    owned_provider = otlp_provider(settings.otlp_endpoint) if tracer_provider is None and settings.otlp_endpoint \
+        else None
+    tracer_provider = tracer_provider or owned_provider
     gateway = Gateway(backends, settings, db or make_engine(settings.database_url))
 
     @contextlib.asynccontextmanager
@@ -71,10 +78,14 @@ def create_app(backends: dict[str, Backend], settings: Settings | None = None, d
                 task.cancel()
             await asyncio.gather(*(b.close() for b in backends.values()), return_exceptions=True)
             await gateway.close()
+            if owned_provider is not None:
+                owned_provider.shutdown()  # the last spans flushed
 
     app = FastAPI(title="servegate", version="0.1.0", lifespan=lifespan)
     app.state.gateway = gateway
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    if tracer_provider is not None:  # outermost: a refused body is traced too
+        app.add_middleware(TraceRequests, tracer=tracer_provider.get_tracer(TRACER_NAME))
     install_error_handlers(app)
     for module in (health, metrics, openai, tgi, admin):
         app.include_router(module.router)

@@ -45,6 +45,7 @@ from .quotas import QuotaExceeded, QuotaStore, Reservation
 from .routing import Decision, ModelRouter
 from .settings import Settings
 from .telemetry import GatewayMetrics
+from .tracing import OFF, RequestTrace, ended, first_token
 
 log = logging.getLogger("servegate.requests")
 UNKNOWN_CONTEXT = 131_072  # tokens; settled back to actual use when the request ends
@@ -131,11 +132,11 @@ class Received:
 
 class Call:
     def __init__(self, env: CallEnv, principal: Principal, decision: Decision, greq: GenerateRequest, api: str,
-                 stream: bool, *, billed: bool = True, keep_text: bool = False) -> None:
+                 stream: bool, *, billed: bool = True, keep_text: bool = False, trace: RequestTrace = OFF) -> None:
         """`billed`: reserves quota and feeds the metrics (a shadow's mirrored call is not);
-        `keep_text`: choice 0's text goes into the outcome."""
+        `keep_text`: choice 0's text goes into the outcome; `trace`: the request's spans."""
         self.env, self.principal, self.decision, self.greq = env, principal, decision, greq
-        self.api, self.stream, self.billed, self.keep_text = api, stream, billed, keep_text
+        self.api, self.stream, self.billed, self.keep_text, self.trace = api, stream, billed, keep_text, trace
         self.started, self.started_at = time.monotonic(), utcnow()
         self.prompt_tokens = 0
         self.reservation: Reservation | None = None
@@ -151,7 +152,8 @@ class Call:
         """Reserve, start, and wait for the first event: errors raise here, before a client is
         sent anything. Returns it and the rest of the stream."""
         if self.billed:
-            await self._reserve()
+            with self.trace.step("gateway.quota"):
+                await self._reserve()
         events = self._events()
         try:
             return await anext(events), events
@@ -196,17 +198,26 @@ class Call:
         try:
             for number, backend in enumerate(candidates, 1):
                 self.backend = backend
+                span, headers = self.trace.backend_call(self.greq, backend.name)
+                usage, reasons, failure = None, (), None
                 try:
                     greq = backend.admit_extras(self.greq)  # nothing undeclared goes upstream
+                    if headers:
+                        greq = dataclasses.replace(greq, trace_headers=headers)
                     async with self._slot(backend):
-                        async for event in self._timed(backend.generate(greq)):
+                        async for event in self._timed(backend.generate(greq), span):
+                            if isinstance(event, Finish):
+                                usage, reasons = event.usage, event.finish_reasons
                             yield event
                     return
                 except BackendError as exc:
+                    failure = exc.code
                     if self.answered or not exc.retryable or number == len(candidates):
                         raise
                     log.warning("backend %s failed before answering (%s); trying %s", backend.name, exc.code,
                                 candidates[number].name, extra={"request_id": self.greq.request_id})
+                finally:
+                    ended(span, usage, reasons, failure)
         except BackendError as exc:
             status, error = "error", exc.code
             raise
@@ -245,7 +256,7 @@ class Call:
             if self.billed:
                 metrics.in_flight.labels(self.decision.model).dec()
 
-    async def _timed(self, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    async def _timed(self, events: AsyncIterator[Event], span) -> AsyncIterator[Event]:
         """The backend's events, each within the idle timeout and all within the request timeout
         (the route's `timeout_s` where it sets one), counted as they pass."""
         settings, metrics, model = self.env.settings, self.env.metrics, self.decision.model
@@ -274,6 +285,7 @@ class Call:
                     now = time.monotonic()
                     if self.first_token_at is None:
                         self.first_token_at = now
+                        first_token(span, now - self.started)
                         if self.billed:
                             metrics.ttft.labels(model).observe(now - self.started)
                     elif self.billed:

@@ -6,6 +6,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from . import tracing
 from .auth import Principal
 from .errors import GatewayError
 from .service import Gateway
@@ -28,7 +29,9 @@ def credential(request: Request) -> str | None:
 def _require(*scopes: str):
     """A caller holding one of `scopes`."""
     async def principal(request: Request, gateway: Annotated[Gateway, Depends(get_gateway)]) -> Principal:
-        who = await gateway.directory.authenticate(credential(request))
+        with tracing.of(request).step("gateway.auth") as span:
+            who = await gateway.directory.authenticate(credential(request))
+            span.set_attribute("servegate.tenant", who.tenant.name)
         if not who.scopes & set(scopes):
             raise GatewayError(403, f"This key lacks the `{scopes[0]}` scope.", "permission_error",
                                code="insufficient_scope")

@@ -23,6 +23,7 @@ from .calls import Call
 from .errors import ClientDisconnected
 from .routing import Decision
 from .service import Gateway
+from .tracing import of
 
 ROUTE_HEADER = "x-servegate-route"
 
@@ -57,7 +58,7 @@ class Started:
 async def start(gateway: Gateway, request: Request, principal: Principal, decision: Decision,
                 greq: GenerateRequest, api: str, stream: bool) -> Started:
     """Reserve and start the call, and wait for its first event (errors raise here)."""
-    call = gateway.call(principal, decision, greq, api, stream)
+    call = gateway.call(principal, decision, greq, api, stream, of(request))
     try:
         first, events = await until_disconnect(request, call.open())
     except BaseException:

@@ -25,6 +25,7 @@ from .quotas import MemoryQuotaStore, QuotaStore, RedisQuotaStore
 from .routing import Breaker, Decision, ModelRouter, RequestFacts
 from .settings import Settings
 from .telemetry import GatewayMetrics
+from .tracing import OFF, RequestTrace
 
 log = logging.getLogger("servegate.gateway")
 requests_log = logging.getLogger("servegate.requests")
@@ -82,15 +83,17 @@ class Gateway:
         return self.router.resolve(model, self.visible_models(principal), facts)
 
     # -- requests -----------------------------------------------------------------------------
-    def call(self, principal: Principal, decision: Decision, greq: GenerateRequest, api: str, stream: bool) -> Call:
+    def call(self, principal: Principal, decision: Decision, greq: GenerateRequest, api: str, stream: bool,
+             trace: RequestTrace = OFF) -> Call:
         """A request to run; when the decision mirrors it, its shadow starts at the same time, through
-        the same admission and timeouts, unbilled."""
+        the same admission and timeouts, unbilled (and untraced)."""
         if decision.shadow is not None:
             mirrored = Call(self.env, principal, dataclasses.replace(decision, candidates=[decision.shadow]),
                             dataclasses.replace(greq, request_id=f"{greq.request_id}-shadow"), api, stream,
                             billed=False, keep_text=True)
             self._shadows[greq.request_id] = self.spawn(_drained(mirrored))
-        return Call(self.env, principal, decision, greq, api, stream, keep_text=decision.shadow is not None)
+        return Call(self.env, principal, decision, greq, api, stream, keep_text=decision.shadow is not None,
+                    trace=trace)
 
     def settle(self, call: Call) -> None:
         """A call's end: its outcome handed on. A call refused before it reached a backend (quota,
@@ -100,7 +103,11 @@ class Gateway:
             if mirrored is not None:
                 mirrored.cancel()
             return
-        self._record(call.outcome)
+        outcome = call.outcome
+        with call.trace.step("gateway.settle", **{
+                "servegate.status": outcome.status, "gen_ai.usage.input_tokens": outcome.usage.prompt_tokens,
+                "gen_ai.usage.output_tokens": outcome.usage.completion_tokens}):
+            self._record(outcome)
 
     def _record(self, outcome: Outcome) -> None:
         """Text that came without token ids from a stream that never finished is tokenized first

@@ -35,6 +35,9 @@ class Settings(BaseSettings):
     usage_flush_s: float = 0.5
     # Log prompts and outputs (off: logs carry request ids, tenants and figures only).
     log_prompts: bool = False
+    # OpenTelemetry traces, sent over OTLP/HTTP to this collector (e.g. http://collector:4318/v1/traces;
+    # the `otel` extra); unset: no traces, at no cost.
+    otlp_endpoint: str | None = None
 
     # JWT bearer tokens, as an alternative to API keys: a static public key (PEM) or a JWKS URL.
     jwt_public_key: str | None = None

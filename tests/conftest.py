@@ -130,9 +130,9 @@ def usage_records(url: str, tenant: str, count: int = 1, timeout: float = 10) ->
         time.sleep(0.05)
 
 
-def gateway_app(backends: dict, home: Path, db_url: str | None = None, **settings):
+def gateway_app(backends: dict, home: Path, db_url: str | None = None, tracer_provider=None, **settings):
     """A gateway app on a migrated database (SQLite under `home` unless `db_url`), whose
-    `default` tenant holds the admin key ADMIN_KEY."""
+    `default` tenant holds the admin key ADMIN_KEY; traced into `tracer_provider` if given."""
     from sqlmodel import Session
 
     from gateway.app import create_app
@@ -145,7 +145,7 @@ def gateway_app(backends: dict, home: Path, db_url: str | None = None, **setting
     upgrade(db)
     with Session(db) as session:
         bootstrap(session, ADMIN_KEY)
-    return create_app(backends, config, db)
+    return create_app(backends, config, db, tracer_provider)
 
 
 async def generated(backend, **fields):

@@ -4,6 +4,7 @@ after a crash, never counted twice."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -115,3 +116,65 @@ def test_sigkill_during_load_loses_no_completed_request(tiny_model_dir, tmp_path
         restarted.terminate()
         restarted.wait(timeout=30)
     assert len(stored_ids(db)) == len(set(stored_ids(db)))
+
+
+@pytest.mark.slow
+def test_sigterm_drains_open_streams_and_flushes_their_usage(tmp_path):
+    """SIGTERM while 20 streams are open: the gateway stops taking connections, every stream runs
+    to its end, and every usage record is in the database when the process exits (its periodic
+    flush is an hour away: only the shutdown's flush can have put them there)."""
+    db_url = f"sqlite:///{tmp_path}/servegate.db"
+    env = {**os.environ, "SERVEGATE_DATABASE_URL": db_url, "SERVEGATE_SPOOL_DIR": str(tmp_path / "spool"),
+           "SERVEGATE_ADMIN_KEY": ADMIN_KEY, "SERVEGATE_USAGE_FLUSH_S": "3600"}
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    gateway = subprocess.Popen(servegate_command(port), env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    wait_ready(url, timeout=180, process=gateway)
+
+    async def streams() -> tuple[list[dict], int]:
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                                     timeout=120) as http:
+            started = asyncio.Event()
+            opened: list[str] = []
+
+            async def one(i: int) -> dict:
+                body = {"model": "SmolLM2-135M-Instruct", "prompt": f"Tell story {i}:", "max_tokens": 48,
+                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                events = []
+                async with http.stream("POST", "/v1/completions", json=body) as reply:
+                    async for line in reply.aiter_lines():
+                        if line.startswith("data: "):
+                            events.append(line[6:])
+                            if len(events) == 1:
+                                opened.append(i)
+                                if len(opened) == 20:
+                                    started.set()
+                return {"status": reply.status_code, "events": events}
+
+            tasks = [asyncio.create_task(one(i)) for i in range(20)]
+            await asyncio.wait_for(started.wait(), 120)
+            finished_before = sum(t.done() for t in tasks)
+            gateway.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            async with httpx.AsyncClient(base_url=url) as late:  # no new request is taken any more
+                with pytest.raises(httpx.ConnectError):
+                    await late.get("/health")
+            return list(await asyncio.gather(*tasks)), finished_before
+
+    try:
+        results, finished_before = asyncio.run(streams())
+        # uvicorn shuts down, then re-raises the signal it caught: a clean end reads -SIGTERM
+        assert gateway.wait(timeout=120) in (0, -signal.SIGTERM)
+    finally:
+        if gateway.poll() is None:
+            gateway.kill()
+    assert finished_before == 0  # the signal came while all 20 were streaming
+    ids = set()
+    for result in results:
+        assert result["status"] == 200 and result["events"][-1] == "[DONE]"
+        usage = json.loads(result["events"][-2])["usage"]
+        assert usage["completion_tokens"] == 48
+        ids.add(json.loads(result["events"][0])["id"])
+    stored = {r.request_id: r for r in Session(make_engine(db_url)).exec(select(UsageRecord)).all()}
+    assert ids <= set(stored) and all(stored[i].completion_tokens == 48 for i in ids)

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from backends.base import BackendError, Delta, Finish, GenerateRequest, InvalidRequest, Usage
 
-from .. import generation
+from .. import generation, tracing
 from ..auth import Principal
 from ..deps import GatewayDep, InferencePrincipal
 from ..errors import GatewayError
@@ -184,7 +184,10 @@ def prompt_text(prompt: dict[str, Any]) -> str:
 
 async def _respond(request: Request, gateway: Gateway, principal: Principal, body: SamplingRequest,
                    chat: bool, **prompt: Any):
-    decision = gateway.resolve(principal, body.model, prompt_text(prompt), body.max_tokens, body.stream)
+    with tracing.of(request).step("gateway.route") as span:
+        decision = gateway.resolve(principal, body.model, prompt_text(prompt), body.max_tokens, body.stream)
+        if span.is_recording():
+            span.set_attributes(tracing.decided(decision))
     model = decision.model
     greq = body.generate_request(model, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", **prompt)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from backends.base import BackendError, Delta, Finish, GenerateRequest, servegate_version
 
-from .. import generation
+from .. import generation, tracing
 from ..auth import Principal
 from ..deps import GatewayDep, InferencePrincipal
 from ..errors import GatewayError
@@ -93,7 +93,10 @@ def _tokens(delta: Delta) -> list[Token]:
 
 async def _start(request: Request, gateway: Gateway, principal: Principal, body: TGIRequest, model: str | None,
                  stream: bool) -> tuple[GenerateRequest, generation.Started]:
-    decision = gateway.resolve(principal, model, body.inputs, body.parameters.max_new_tokens, stream)
+    with tracing.of(request).step("gateway.route") as span:
+        decision = gateway.resolve(principal, model, body.inputs, body.parameters.max_new_tokens, stream)
+        if span.is_recording():
+            span.set_attributes(tracing.decided(decision))
     greq = _request(body, decision.model)
     return greq, await generation.start(gateway, request, principal, decision, greq, "tgi", stream)
 
