@@ -21,8 +21,8 @@ import torch
 from ..cpu import cpu_flags
 
 log = logging.getLogger("servegate.kernels")
-SOURCES = [str(Path(__file__).parent / "csrc" / name) for name in ("paged_attention.cpp", "layer_ops.cpp",
-                                                                    "module.cpp")]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [str(CSRC / name) for name in ("paged_attention.cpp", "layer_ops.cpp", "module.cpp")]
 _lock = threading.Lock()
 _module = None
 _failed: str | None = None
@@ -37,7 +37,10 @@ def _load():
             try:
                 from torch.utils.cpp_extension import load
 
-                machine = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
+                # the name carries the CPU's flags and every source's text (torch rebuilds on a changed
+                # source, but not on a changed header)
+                built = " ".join(sorted(cpu_flags())) + "".join(p.read_text() for p in sorted(CSRC.iterdir()))
+                machine = hashlib.sha256(built.encode()).hexdigest()[:12]
                 # -fopenmp: at::parallel_for is inline and runs serially in code built without it.
                 _module = load(f"servegate_cpu_kernels_{machine}", SOURCES,
                                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],

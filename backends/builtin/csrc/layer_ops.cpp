@@ -8,6 +8,8 @@
 
 #include <cmath>
 
+#include "vec_exp.h"
+
 using at::BFloat16;
 
 static inline BFloat16 bf16(float x) { return BFloat16(x); }  // round to nearest even
@@ -80,8 +82,25 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
     for (int64_t t = begin; t < end; ++t) {
       const BFloat16* g = in + t * 2 * inner;
       const BFloat16* u = g + inner;
-#pragma omp simd
-      for (int64_t i = 0; i < inner; ++i) {
+      int64_t i = 0;
+#if defined(__AVX512BF16__)
+      // silu(x) = x * sigmoid(x), the sigmoid from exp(-|x|) so that it never overflows.
+      const auto widen = [](const BFloat16* p) {
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+      };
+      const auto narrow = [](__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); };  // to nearest even
+      for (; i + 16 <= inner; i += 16) {
+        const __m512 x = widen(g + i), e = exp512_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+        const __m512 sigmoid = _mm512_div_ps(
+            _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_set1_ps(1.f), e),
+            _mm512_add_ps(_mm512_set1_ps(1.f), e));
+        const __m256i silu = narrow(_mm512_mul_ps(x, sigmoid));
+        const __m512 silu_f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(silu), 16));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + t * inner + i), narrow(_mm512_mul_ps(silu_f, widen(u + i))));
+      }
+#endif
+      for (; i < inner; ++i) {
         const float x = g[i];
         o[t * inner + i] = bf16(static_cast<float>(bf16(x / (1.f + std::exp(-x)))) * static_cast<float>(u[i]));
       }

@@ -6,9 +6,6 @@
 // position p sees keys 0..p (causal, and a chunk after cached tokens sees all of them).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <cmath>
@@ -17,6 +14,8 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#include "vec_exp.h"
 
 // exp for x <= 0 (scores minus their max), written so that loops over it vectorize: Cephes' expf
 // range reduction and polynomial, about 1 ulp in float32; below -87 it returns about 0.
@@ -100,23 +99,13 @@ static void bf16_scores(const float* q, const at::BFloat16* key_cache, const at:
 // Normalized exponentials of s[0..len), in place, shifted by their max.
 static void softmax(float* s, int64_t len) {
 #if defined(__AVX512F__)
-  // The compiler does not vectorize exp_nonpositive's bit tricks: this is it sixteen at a time.
   const auto tail = [&](int64_t j) { return (__mmask16)((1u << std::min<int64_t>(16, len - j)) - 1); };
   __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < len; j += 16) m = _mm512_mask_max_ps(m, tail(j), m, _mm512_maskz_loadu_ps(tail(j), s + j));
   const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < len; j += 16) {
-    __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail(j), s + j), max), _mm512_set1_ps(-87.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-      p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-    const __m512 e = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-    x = _mm512_mul_ps(e, _mm512_castsi512_ps(bits));
+    const __m512 x = exp512_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail(j), s + j), max));
     sum = _mm512_mask_add_ps(sum, tail(j), sum, x);
     _mm512_mask_storeu_ps(s + j, tail(j), x);
   }
