@@ -25,7 +25,7 @@ from .quotas import MemoryQuotaStore, QuotaStore, RedisQuotaStore
 from .routing import Breaker, Decision, ModelRouter, RequestFacts
 from .settings import Settings
 from .telemetry import GatewayMetrics
-from .tracing import OFF, RequestTrace
+from .tracing import OFF, RequestTrace, decided
 
 log = logging.getLogger("servegate.gateway")
 requests_log = logging.getLogger("servegate.requests")
@@ -78,9 +78,13 @@ class Gateway:
         return [m for m in self.router.models() if principal.may_use(m)]
 
     def resolve(self, principal: Principal, model: str | None, prompt: str = "", max_tokens: int | None = None,
-                stream: bool = False) -> Decision:
+                stream: bool = False, trace: RequestTrace = OFF) -> Decision:
         facts = RequestFacts(principal.tenant.name, principal.tenant.tier, prompt, max_tokens or 0, stream)
-        return self.router.resolve(model, self.visible_models(principal), facts)
+        with trace.step("gateway.route") as span:
+            decision = self.router.resolve(model, self.visible_models(principal), facts)
+            if span.is_recording():
+                span.set_attributes(decided(decision))
+        return decision
 
     # -- requests -----------------------------------------------------------------------------
     def call(self, principal: Principal, decision: Decision, greq: GenerateRequest, api: str, stream: bool,

@@ -184,10 +184,8 @@ def prompt_text(prompt: dict[str, Any]) -> str:
 
 async def _respond(request: Request, gateway: Gateway, principal: Principal, body: SamplingRequest,
                    chat: bool, **prompt: Any):
-    with tracing.of(request).step("gateway.route") as span:
-        decision = gateway.resolve(principal, body.model, prompt_text(prompt), body.max_tokens, body.stream)
-        if span.is_recording():
-            span.set_attributes(tracing.decided(decision))
+    decision = gateway.resolve(principal, body.model, prompt_text(prompt), body.max_tokens, body.stream,
+                               tracing.of(request))
     model = decision.model
     greq = body.generate_request(model, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", **prompt)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)

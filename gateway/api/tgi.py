@@ -93,10 +93,8 @@ def _tokens(delta: Delta) -> list[Token]:
 
 async def _start(request: Request, gateway: Gateway, principal: Principal, body: TGIRequest, model: str | None,
                  stream: bool) -> tuple[GenerateRequest, generation.Started]:
-    with tracing.of(request).step("gateway.route") as span:
-        decision = gateway.resolve(principal, model, body.inputs, body.parameters.max_new_tokens, stream)
-        if span.is_recording():
-            span.set_attributes(tracing.decided(decision))
+    decision = gateway.resolve(principal, model, body.inputs, body.parameters.max_new_tokens, stream,
+                               tracing.of(request))
     greq = _request(body, decision.model)
     return greq, await generation.start(gateway, request, principal, decision, greq, "tgi", stream)
 

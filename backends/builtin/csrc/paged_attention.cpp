@@ -17,25 +17,6 @@
 
 #include "vec_exp.h"
 
-// exp for x <= 0 (scores minus their max), written so that loops over it vectorize: Cephes' expf
-// range reduction and polynomial, about 1 ulp in float32; below -87 it returns about 0.
-static inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float e = p * r * r + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return e * scale;
-}
-
 #if defined(__AVX512BF16__)
 // Sixteen vectors in, one out: lane i holds the sum of v[i]'s lanes. Four rounds of pairing
 // (45 instructions) instead of sixteen horizontal sums.

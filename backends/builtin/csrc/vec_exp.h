@@ -1,7 +1,29 @@
-// exp for x <= 0 in AVX-512, sixteen lanes: Cephes' expf range reduction and polynomial, about
-// 1 ulp in float32; below -87 it returns about 0. (Compilers do not vectorize the scalar form's
-// bit tricks.) Shared by the attention's softmax and the layer ops' SiLU.
+// exp for x <= 0: Cephes' expf range reduction and polynomial, about 1 ulp in float32; below -87
+// it returns about 0. A scalar form and, since compilers do not vectorize its bit tricks, an
+// AVX-512 one (sixteen lanes); used by the attention's softmax and the layer ops' SiLU.
 #pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+static inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return e * scale;
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
