@@ -11,8 +11,10 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from decimal import Decimal
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -53,6 +55,25 @@ class Usage:
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+
+NANO_USD_PER_USD = 10**9  # money is counted in whole nano-dollars: exact, and a token at $0.001/M is 1
+
+
+@dataclass(frozen=True)
+class Price:
+    """What a model's tokens cost, in USD per million tokens."""
+
+    input: Decimal
+    output: Decimal
+    cached_input: Decimal | None = None  # prompt tokens read from a prefix cache; None: as `input`
+
+    def cost(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> int:
+        """Nano-dollars, rounded up: a provider bills what it bills, never less."""
+        cached = self.input if self.cached_input is None else self.cached_input
+        per_million = (prompt_tokens - cached_tokens) * self.input + cached_tokens * cached + \
+            completion_tokens * self.output
+        return math.ceil(per_million * NANO_USD_PER_USD / 10**6)
 
 
 @dataclass(frozen=True)
@@ -102,6 +123,7 @@ class Capabilities:
     tokenize: bool = False
     chat: bool = True
     features: frozenset[str] = frozenset()  # e.g. {"n", "seed", "stop", "logprobs"}
+    price: Price | None = None  # the provider's list price, where it publishes one
 
 
 class Health(enum.StrEnum):

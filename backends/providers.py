@@ -15,6 +15,7 @@ import asyncio
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
 from . import fields
@@ -33,6 +34,7 @@ from .base import (
     Load,
     ModelNotFound,
     Overloaded,
+    Price,
     Unavailable,
     UpstreamError,
     Usage,
@@ -48,6 +50,15 @@ class ProviderConfig:
     api_key: str | None = None
     max_context: int = 0  # 0: litellm's model map says, where it knows the model
     options: dict[str, Any] = field(default_factory=dict)  # more litellm arguments (api_version, region...)
+
+
+def list_price(info: dict[str, Any]) -> Price | None:
+    """The price in litellm's model cost map (`model_prices_and_context_window.json`, bundled with
+    litellm), per token there, per million tokens here."""
+    per_token = [info.get(k) for k in ("input_cost_per_token", "output_cost_per_token", "cache_read_input_token_cost")]
+    if per_token[0] is None or per_token[1] is None:
+        return None
+    return Price(*(None if cost is None else (Decimal(repr(cost)) * 10**6).normalize() for cost in per_token))
 
 
 def _refused(exc: BaseException) -> bool:
@@ -81,6 +92,7 @@ class ProviderBackend(Backend):
     def __init__(self, config: ProviderConfig, name: str = "provider") -> None:
         self.name, self.config = name, config
         self.litellm = None
+        self.price: Price | None = None  # litellm's list price, once started
 
     async def start(self) -> None:
         os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch from the internet at import
@@ -91,12 +103,13 @@ class ProviderBackend(Backend):
             return litellm
 
         self.litellm = await asyncio.to_thread(load)
+        try:
+            info = self.litellm.get_model_info(self.config.model)
+        except Exception:  # noqa: BLE001  (litellm raises a bare Exception for unmapped models)
+            info = {}
         if not self.config.max_context:
-            try:
-                info = self.litellm.get_model_info(self.config.model)
-                self.config.max_context = int(info.get("max_input_tokens") or info.get("max_tokens") or 0)
-            except Exception:  # noqa: BLE001  (litellm raises a bare Exception for unmapped models)
-                self.config.max_context = 0
+            self.config.max_context = int(info.get("max_input_tokens") or info.get("max_tokens") or 0)
+        self.price = list_price(info)
 
     def _arguments(self, request: GenerateRequest) -> dict[str, Any]:
         c = self.config
@@ -140,7 +153,7 @@ class ProviderBackend(Backend):
     async def capabilities(self) -> Capabilities:
         provider = self.config.model.split("/", 1)[0] if "/" in self.config.model else "litellm"
         return Capabilities(runtime="litellm", version=provider, model=self.config.model,
-                            max_context=self.config.max_context, prefix_caching=False)
+                            max_context=self.config.max_context, prefix_caching=False, price=self.price)
 
     async def health(self) -> Health:
         # A provider's health is known from its answers (the routing issue's circuit breaker), not a probe.

@@ -20,6 +20,12 @@ class Admission:
     def in_flight(self) -> int:
         return self.max_in_flight - self._slots._value
 
+    @property
+    def saturation(self) -> float:
+        """Requests in flight and waiting over the slots: 1 when every slot is busy, more when
+        requests queue."""
+        return (self.in_flight + self.queued) / self.max_in_flight
+
     async def acquire(self) -> None:
         if self._slots.locked() and self.queued >= self.max_queued:
             raise Overloaded(f"the backend is saturated: {self.in_flight} requests in flight and "

@@ -27,7 +27,7 @@ from sqlmodel import Session, select
 
 from .errors import GatewayError
 from .keys import is_servegate_key, key_prefix, verify
-from .models import ApiKey, Limits, Tenant
+from .models import ApiKey, Limits, Tenant, nano_usd
 from .quotas import QuotaLimits, Scope
 from .settings import Settings
 
@@ -91,7 +91,8 @@ class Principal:
 
 def _limits(row: Limits) -> QuotaLimits:
     return QuotaLimits(rpm=row.rpm, tpm=row.tpm, tokens_per_day=row.tokens_per_day,
-                       max_concurrency=row.max_concurrency)
+                       max_concurrency=row.max_concurrency, daily_budget=nano_usd(row.daily_budget_usd),
+                       monthly_budget=nano_usd(row.monthly_budget_usd))
 
 
 def _tenant_view(t: Tenant) -> TenantView:

@@ -33,6 +33,7 @@ from backends.base import (
     Event,
     Finish,
     GenerateRequest,
+    Price,
     UpstreamError,
     Usage,
 )
@@ -41,7 +42,7 @@ from backends.timing import StreamTimer
 from .auth import Principal
 from .errors import GatewayError
 from .models import utcnow
-from .quotas import QuotaExceeded, QuotaStore, Reservation
+from .quotas import LIMIT_NAMES, QuotaExceeded, QuotaStore, Reservation, dollars
 from .routing import Decision, ModelRouter
 from .settings import Settings
 from .telemetry import GatewayMetrics
@@ -83,6 +84,7 @@ class Outcome:
     started_at: datetime
     finished_at: datetime
     reservation: Reservation | None
+    price: Price | None = None  # of the model that answered; None: unpriced (free)
     text: str = ""  # choice 0's text, kept when a shadow compares
     # What an unfinished stream sent without token ids, for the gateway to have it tokenized;
     # `usage` holds an estimate until then.
@@ -91,6 +93,12 @@ class Outcome:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def cost(self) -> int:
+        """Nano-dollars, at the price of the model that answered."""
+        u = self.usage
+        return self.price.cost(u.prompt_tokens, u.completion_tokens, u.cached_tokens) if self.price else 0
 
     @property
     def route(self) -> str:
@@ -140,6 +148,7 @@ class Call:
         self.started, self.started_at = time.monotonic(), utcnow()
         self.prompt_tokens = 0
         self.reservation: Reservation | None = None
+        self.price: Price | None = None
         self.backend: Backend | None = None
         self.tried: list[str] = []
         self.first_token_at: float | None = None
@@ -178,10 +187,20 @@ class Call:
             context = (await backend.capabilities()).max_context or UNKNOWN_CONTEXT
             completion = max(context - self.prompt_tokens, 1)
         tokens = self.prompt_tokens + completion * self.greq.n
+        price = await self._price(backend)
+        cost = price.cost(self.prompt_tokens, completion * self.greq.n) if price else 0
         try:
-            self.reservation = await self.env.quotas.reserve(self.principal.quota_scopes(), tokens)
+            self.reservation = await self.env.quotas.reserve(self.principal.quota_scopes(), tokens, cost)
         except QuotaExceeded as exc:
             self.env.metrics.quota_rejections.labels(self.principal.tenant.name, exc.limit).inc()
+            if exc.budget and cost > exc.value:
+                raise GatewayError(400, f"This request could cost up to {dollars(cost)} (prompt + max_tokens), more "
+                                   f"than {exc.scope}'s {LIMIT_NAMES[exc.limit]} of {dollars(exc.value)}; lower "
+                                   "max_tokens.", "invalid_request_error", code="budget_exceeded",
+                                   param="max_tokens") from None
+            if exc.budget:  # OpenAI's words for a spent balance
+                raise GatewayError(429, exc.message, "insufficient_quota", code="insufficient_quota",
+                                   headers={"Retry-After": str(int(exc.retry_after))}) from None
             if exc.limit in ("tpm", "tokens_per_day") and tokens > exc.value:
                 raise GatewayError(400, f"This request reserves {tokens} tokens (prompt + max_tokens), more than "
                                    f"{exc.scope}'s limit of {exc.value} {exc.limit}; lower max_tokens.",
@@ -189,6 +208,10 @@ class Call:
             kind = "tokens" if exc.limit in ("tpm", "tokens_per_day") else "requests"
             raise GatewayError(429, exc.message, kind, code="rate_limit_exceeded",
                                headers={"Retry-After": str(int(exc.retry_after))}) from None
+
+    async def _price(self, backend: Backend) -> Price | None:
+        """The configured price of the model asked for, else the backend's list price."""
+        return self.env.settings.prices.get(self.decision.model) or (await backend.capabilities()).price
 
     # -- the stream ---------------------------------------------------------------------
     async def _events(self) -> AsyncIterator[Event]:
@@ -198,6 +221,8 @@ class Call:
         try:
             for number, backend in enumerate(candidates, 1):
                 self.backend = backend
+                if self.billed:
+                    self.price = await self._price(backend)
                 span, headers = self.trace.backend_call(self.greq, backend.name)
                 usage, reasons, failure = None, (), None
                 try:
@@ -311,4 +336,4 @@ class Call:
             backend=self.backend.name if self.backend else "", tried=tuple(self.tried),
             ttft_ms=None if self.first_token_at is None else (self.first_token_at - self.started) * 1000,
             latency_ms=(time.monotonic() - self.started) * 1000, started_at=self.started_at, finished_at=utcnow(),
-            reservation=self.reservation, text="".join(self.text), recount=recount)
+            reservation=self.reservation, price=self.price, text="".join(self.text), recount=recount)

@@ -188,7 +188,8 @@ def db_current() -> None:
     typer.echo(f"database: {current or 'none'}, code: {head}")
 
 
-LIMIT_OPTIONS = ("rpm", "tpm", "tokens_per_day", "max_concurrency", "max_tokens_per_request")
+LIMIT_OPTIONS = ("rpm", "tpm", "tokens_per_day", "max_concurrency", "max_tokens_per_request", "daily_budget_usd",
+                 "monthly_budget_usd")
 
 
 @tenants_app.command("create")
@@ -199,6 +200,8 @@ def tenants_create(
     tokens_per_day: Annotated[int | None, typer.Option(help="Tokens per day.")] = None,
     max_concurrency: Annotated[int | None, typer.Option(help="Requests in flight at once.")] = None,
     max_tokens_per_request: Annotated[int | None, typer.Option(help="Cap on max_tokens.")] = None,
+    daily_budget_usd: Annotated[float | None, typer.Option(help="Spend per UTC day, USD.")] = None,
+    monthly_budget_usd: Annotated[float | None, typer.Option(help="Spend per UTC month, USD.")] = None,
     models: Annotated[str, typer.Option(help="Models it may use, comma separated (default: all).")] = "",
     tier: Annotated[str, typer.Option(help="Tier, for routing rules.")] = "standard",
 ) -> None:
@@ -211,7 +214,8 @@ def tenants_create(
         try:
             data = TenantIn(name=name, tier=tier, models=[m for m in models.split(",") if m], rpm=rpm, tpm=tpm,
                             tokens_per_day=tokens_per_day, max_concurrency=max_concurrency,
-                            max_tokens_per_request=max_tokens_per_request)
+                            max_tokens_per_request=max_tokens_per_request, daily_budget_usd=daily_budget_usd,
+                            monthly_budget_usd=monthly_budget_usd)
         except ValidationError as exc:
             _fail(exc.errors()[0]["msg"])
         tenant = create_tenant(session, cli_actor(), data)
@@ -235,6 +239,8 @@ def tenants_update(
     tokens_per_day: Annotated[int | None, typer.Option(help="Tokens per day (0 lifts the limit).")] = None,
     max_concurrency: Annotated[int | None, typer.Option(help="Requests in flight (0 lifts the limit).")] = None,
     max_tokens_per_request: Annotated[int | None, typer.Option(help="Cap on max_tokens (0 lifts it).")] = None,
+    daily_budget_usd: Annotated[float | None, typer.Option(help="Spend per UTC day, USD (0 lifts it).")] = None,
+    monthly_budget_usd: Annotated[float | None, typer.Option(help="Spend per UTC month, USD (0 lifts it).")] = None,
     models: Annotated[str | None, typer.Option(help="Models it may use, comma separated ('' = all).")] = None,
     tier: Annotated[str | None, typer.Option()] = None,
     disable: Annotated[bool | None, typer.Option("--disable/--enable", help="Refuse or accept its keys.")] = None,
@@ -243,7 +249,8 @@ def tenants_update(
     from .tenancy import TenantPatch, cli_actor, update_tenant
 
     given = {"rpm": rpm, "tpm": tpm, "tokens_per_day": tokens_per_day, "max_concurrency": max_concurrency,
-             "max_tokens_per_request": max_tokens_per_request}
+             "max_tokens_per_request": max_tokens_per_request, "daily_budget_usd": daily_budget_usd,
+             "monthly_budget_usd": monthly_budget_usd}
     changes = {k: (v or None) for k, v in given.items() if v is not None}
     if models is not None:
         changes["models"] = [m for m in models.split(",") if m]
@@ -385,9 +392,9 @@ def usage(
         return
     t = report.totals
     typer.echo(f"{t.requests} requests, {t.prompt_tokens} prompt tokens ({t.cached_tokens} cached), "
-               f"{t.completion_tokens} completion tokens")
+               f"{t.completion_tokens} completion tokens, ${t.cost_usd:,.6f}")
     columns = ["started_at", "tenant", "key_prefix", "model", "status", "prompt_tokens", "completion_tokens",
-               "latency_ms"]
+               "cost_nano_usd", "latency_ms"]
     _print(report.records, False, columns)
 
 

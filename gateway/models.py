@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from decimal import Decimal
+from typing import Annotated, Any
 
-from sqlalchemy import JSON, Column, UniqueConstraint
+from pydantic import PlainSerializer
+from sqlalchemy import JSON, BigInteger, Column, TypeDecorator, UniqueConstraint
 from sqlmodel import Field, SQLModel
+
+from backends.base import NANO_USD_PER_USD
 
 
 def utcnow() -> datetime:
@@ -19,6 +23,32 @@ def as_utc(moment: datetime | None) -> datetime | None:
 
 
 MAX_LIMIT = 2**53  # fits the databases' 64-bit integers and JSON numbers
+MAX_USD = Decimal(9_000_000_000)  # in nano-dollars, within a 64-bit integer
+
+
+class Usd(TypeDecorator):
+    """Dollars in the API, whole nano-dollars in the database: exact on SQLite too."""
+
+    impl = BigInteger
+    cache_ok = True
+
+    def process_bind_param(self, value: Decimal | None, dialect) -> int | None:
+        return None if value is None else int(value * NANO_USD_PER_USD)
+
+    def process_result_value(self, value: int | None, dialect) -> Decimal | None:
+        return None if value is None else usd(value)
+
+
+def usd(nano_usd: int) -> Decimal:
+    return Decimal(nano_usd).scaleb(-9).normalize()
+
+
+# In JSON, a plain decimal string: "300", "0.000000001" (never "3E+2", "1E-9").
+Dollars = Annotated[Decimal, PlainSerializer(lambda value: format(value, "f"), return_type=str, when_used="json")]
+
+
+def nano_usd(dollars: Decimal | None) -> int | None:
+    return None if dollars is None else int(dollars * NANO_USD_PER_USD)
 
 
 class Limits(SQLModel):
@@ -29,6 +59,10 @@ class Limits(SQLModel):
     tokens_per_day: int | None = Field(default=None, ge=1, le=MAX_LIMIT)
     max_concurrency: int | None = Field(default=None, ge=1, le=MAX_LIMIT, description="Requests in flight at once.")
     max_tokens_per_request: int | None = Field(default=None, ge=1, le=MAX_LIMIT, description="Cap on max_tokens.")
+    daily_budget_usd: Dollars | None = Field(default=None, gt=0, le=MAX_USD, decimal_places=9, sa_type=Usd,
+                                             description="Spend per UTC day, in USD (prices: SERVEGATE_PRICES).")
+    monthly_budget_usd: Dollars | None = Field(default=None, gt=0, le=MAX_USD, decimal_places=9, sa_type=Usd,
+                                               description="Spend per UTC calendar month, in USD.")
 
 
 class Tenant(Limits, table=True):
@@ -95,6 +129,7 @@ class UsageRecord(SQLModel, table=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cost_nano_usd: int = Field(default=0, sa_type=BigInteger)  # at the model's price when it ran
     ttft_ms: float | None = None
     latency_ms: float = 0.0
     status: str = Field(max_length=16)  # ok | error | cancelled

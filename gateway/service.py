@@ -12,10 +12,10 @@ import logging
 
 from sqlalchemy import Engine
 
-from backends.base import Backend, GenerateRequest, Health
+from backends.base import NANO_USD_PER_USD, Backend, GenerateRequest, Health
 from policies.rollout import ROLLOUT, load_rollout
 
-from . import shadow
+from . import budgets, shadow
 from .admission import Admission
 from .auth import Directory, Principal
 from .calls import Call, CallEnv, Outcome
@@ -45,6 +45,7 @@ class Gateway:
         self.quotas: QuotaStore = RedisQuotaStore(settings.redis_url) if settings.redis_url else MemoryQuotaStore()
         self.ledger = UsageLedger(db, settings.spool_dir, settings.usage_flush_s)
         self.metrics = GatewayMetrics()
+        self.metrics.saturation.set_function(lambda: max((a.saturation for a in admission.values()), default=0.0))
         self.env = CallEnv(self.router, self.quotas, self.metrics, settings)
         self._tasks: set[asyncio.Task] = set()
         self._shadows: dict[str, asyncio.Task] = {}  # request id -> its mirrored call, until the primary ends
@@ -125,12 +126,13 @@ class Gateway:
             "model": model, "backend": outcome.backend, "route": _route_label(outcome.decision), "api": outcome.api,
             "stream": outcome.stream, "prompt_tokens": usage.prompt_tokens,
             "completion_tokens": usage.completion_tokens, "cached_tokens": usage.cached_tokens,
-            "ttft_ms": outcome.ttft_ms, "latency_ms": outcome.latency_ms, "status": outcome.status,
-            "error_type": outcome.error, "started_at": outcome.started_at, "finished_at": outcome.finished_at,
+            "cost_nano_usd": outcome.cost, "ttft_ms": outcome.ttft_ms, "latency_ms": outcome.latency_ms,
+            "status": outcome.status, "error_type": outcome.error, "started_at": outcome.started_at,
+            "finished_at": outcome.finished_at,
         }
         self.ledger.record(record)
         if outcome.reservation is not None:
-            self.spawn(self.quotas.settle(outcome.reservation, usage.total_tokens))
+            self.spawn(self._settle_quotas(outcome))
         self.canary.observe(outcome.decision, outcome.status, outcome.ttft_ms, outcome.latency_ms,
                             usage.completion_tokens)
         mirrored = self._shadows.pop(outcome.request_id, None)
@@ -143,14 +145,21 @@ class Gateway:
         m.e2e.labels(model).observe(outcome.latency_ms / 1000)
         for kind in ("prompt", "completion", "cached"):
             m.tokens.labels(tenant, model, kind).inc(getattr(usage, f"{kind}_tokens"))
+        m.spend.labels(tenant, model).inc(outcome.cost / NANO_USD_PER_USD)
         extra = {k: record[k] for k in ("request_id", "tenant", "model", "status", "error_type", "prompt_tokens",
-                                         "completion_tokens", "ttft_ms", "latency_ms")}
+                                         "completion_tokens", "cost_nano_usd", "ttft_ms", "latency_ms")}
         extra["route"] = outcome.route
         if outcome.tried[:-1]:
             extra["failed_over"] = list(outcome.tried[:-1])
         if self.settings.log_prompts:
             extra["prompt"] = outcome.request.prompt or outcome.request.messages
         requests_log.info("request finished", extra=extra)
+
+    async def _settle_quotas(self, outcome: Outcome) -> None:
+        """Windows and budgets charged what the request used; a budget threshold crossed is alerted."""
+        crossings = await self.quotas.settle(outcome.reservation, outcome.usage.total_tokens, outcome.cost)
+        for crossing in crossings:
+            await budgets.alert(crossing, self.settings.budget_webhook_url)
 
     async def _settle_recounted(self, outcome: Outcome) -> None:
         """The unfinished stream's text tokenized by its backend where it can; else the estimate

@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from pydantic import field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from backends.base import Price
 
 
 def data_dir() -> Path:
@@ -35,6 +38,12 @@ class Settings(BaseSettings):
     usage_flush_s: float = 0.5
     # Log prompts and outputs (off: logs carry request ids, tenants and figures only).
     log_prompts: bool = False
+    # Prices per model asked for (served model or route alias), in USD per million tokens, as JSON:
+    # {"qwen2.5-7b": {"input": 0.2, "cached_input": 0.05, "output": 0.6}}. A model without one is
+    # priced at its backend's list price (cloud providers: litellm's cost map), else free.
+    prices: dict[str, Price] = {}
+    # Budget alerts (80% and 100% of a daily or monthly budget) are logged, and POSTed here if set.
+    budget_webhook_url: str | None = None
     # OpenTelemetry traces, sent over OTLP/HTTP to this collector (e.g. http://collector:4318/v1/traces;
     # the `otel` extra); unset: no traces, at no cost.
     otlp_endpoint: str | None = None
@@ -64,6 +73,14 @@ class Settings(BaseSettings):
     max_body_bytes: int = 8 * 1024 * 1024
     # `/metrics` answers loopback clients freely; others must send this token as a bearer.
     metrics_token: str | None = None
+
+    @field_validator("prices")
+    @classmethod
+    def _non_negative(cls, prices: dict[str, Price]) -> dict[str, Price]:
+        for model, price in prices.items():
+            if any(v is not None and v < 0 for v in (price.input, price.output, price.cached_input)):
+                raise ValueError(f"the price of {model!r} is negative")
+        return prices
 
     @property
     def jwt_enabled(self) -> bool:

@@ -22,6 +22,8 @@ class GatewayMetrics:
                                 ["tenant", "model", "backend", "status"], registry=r)
         self.tokens = Counter("servegate_tokens", "Tokens by kind (prompt, completion, cached).",
                               ["tenant", "model", "kind"], registry=r)
+        self.spend = Counter("servegate_spend_usd", "Spend at the models' prices, in USD.", ["tenant", "model"],
+                             registry=r)
         self.quota_rejections = Counter("servegate_quota_rejections", "Requests refused by a quota.",
                                         ["tenant", "limit"], registry=r)
         self.ttft = Histogram("servegate_ttft_seconds", "Time to first token, as the gateway sees it.",
@@ -37,6 +39,9 @@ class GatewayMetrics:
                                       ["alias", "action"], registry=r)
         self.in_flight = Gauge("servegate_in_flight", "Requests in flight.", ["backend"], registry=r)
         self.queued = Gauge("servegate_queue_depth", "Requests waiting for a backend slot.", ["backend"], registry=r)
+        # What the HorizontalPodAutoscaler scales on (deploy/kubernetes/base/hpa.yaml).
+        self.saturation = Gauge("servegate_saturation", "The fullest backend's requests in flight and queued "
+                                "over this replica's slots for it (1: every slot busy).", registry=r)
 
 
 class JsonFormatter(logging.Formatter):

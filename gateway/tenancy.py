@@ -13,7 +13,7 @@ from sqlmodel import Session, col, select
 
 from .errors import GatewayError
 from .keys import hash_key, key_prefix, new_key
-from .models import ApiKey, AuditLog, Limits, Tenant, UsageRecord, as_utc, utcnow
+from .models import ApiKey, AuditLog, Dollars, Limits, Tenant, UsageRecord, as_utc, usd, utcnow
 
 Scope = Literal["inference", "admin", "operator"]  # admin: its own tenant; operator: every tenant
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
@@ -79,6 +79,7 @@ class UsageTotals(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    cost_usd: Dollars = Field(description="At the models' prices when the requests ran.")
 
 
 class UsageReport(BaseModel):
@@ -236,12 +237,13 @@ def usage_report(session: Session, tenant: str | None = None, since: datetime | 
     if until is not None:
         conditions.append(UsageRecord.started_at < until)
     sums = [func.coalesce(func.sum(c), 0) for c in
-            (UsageRecord.prompt_tokens, UsageRecord.completion_tokens, UsageRecord.cached_tokens)]
+            (UsageRecord.prompt_tokens, UsageRecord.completion_tokens, UsageRecord.cached_tokens,
+             UsageRecord.cost_nano_usd)]
     totals = session.exec(select(func.count(), *sums).where(*conditions)).one()
     rows = session.exec(select(UsageRecord).where(*conditions)
                         .order_by(col(UsageRecord.started_at).desc()).limit(limit)).all()
     return UsageReport(totals=UsageTotals(requests=totals[0], prompt_tokens=totals[1], completion_tokens=totals[2],
-                                          cached_tokens=totals[3]),
+                                          cached_tokens=totals[3], cost_usd=usd(totals[4])),
                        records=[r.model_dump(mode="json") for r in rows])
 
 

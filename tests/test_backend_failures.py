@@ -51,3 +51,33 @@ def test_killing_the_backend_mid_stream_ends_the_stream_with_an_error_event(tmp_
     finally:
         server.kill()
         server.wait()
+
+
+def test_ready_while_one_backend_serves_and_not_when_none_does(tmp_path):
+    """Readiness takes a gateway out of its load balancer: one backend down among several must not
+    (the router skips it), every backend down must."""
+    from backends.openai_compat import OpenAICompatBackend, OpenAICompatConfig
+
+    from .conftest import openai_upstream
+
+    closed = f"http://127.0.0.1:{free_port()}"
+    with serve_app(openai_upstream(lambda path: [])) as live:
+        up = OpenAICompatBackend(OpenAICompatConfig(base_url=live, model="stub"), name="up")
+        down = OpenAICompatBackend(OpenAICompatConfig(base_url=closed, model="stub"), name="down")
+        with serve_app(gateway_app({"a": up, "b": down}, tmp_path / "one")) as url:
+            response = _ready_once_started(url)
+            assert response.status_code == 200
+            assert response.json() == {"status": "ready", "models": {"a": "ready", "b": "down"}}
+        gone = OpenAICompatBackend(OpenAICompatConfig(base_url=closed, model="stub"), name="gone")
+        with serve_app(gateway_app({"b": gone}, tmp_path / "none")) as url:
+            response = _ready_once_started(url)
+            assert response.status_code == 503 and response.json() == {"status": "not ready", "models": {"b": "down"}}
+
+
+def _ready_once_started(url: str) -> httpx.Response:
+    """/ready once no backend is still starting."""
+    deadline = time.monotonic() + 30
+    while "loading" in (response := httpx.get(f"{url}/ready")).json()["models"].values():
+        assert time.monotonic() < deadline, response.text
+        time.sleep(0.1)
+    return response

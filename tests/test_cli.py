@@ -23,7 +23,7 @@ def test_cli_contract(tmp_path, monkeypatch):
     refused = run(app, ["serve"])  # an existing database without the schema: serve refuses, loads nothing
     assert refused.exit_code == 2 and "has no servegate schema" in refused.output
 
-    assert "database at revision 0003" in run(app, ["db", "upgrade"]).output
+    assert "database at revision 0004" in run(app, ["db", "upgrade"]).output
     created = run(app, ["tenants", "create", "acme", "--rpm", "5", "--tpm", "1000", "--tokens-per-day", "9000",
                         "--max-concurrency", "2", "--models", "a,b"])
     assert created.exit_code == 0, created.output
@@ -88,19 +88,22 @@ def test_engine_config_is_checked_when_made():
 
 
 def test_the_operator_migration_keeps_only_the_default_tenants_admins_global(tmp_path):
+    from sqlalchemy import text
+
     from gateway.db import upgrade
-    from gateway.models import Tenant
 
     engine = make_engine(f"sqlite:///{tmp_path}/old.db")
     upgrade(engine, "0002")  # before the operator scope: `admin` administered everything
-    with Session(engine) as session:
-        default, acme = Tenant(name="default"), Tenant(name="acme")
-        session.add_all([default, acme])
-        session.flush()
-        for prefix, tenant, scopes in [("aaaaaaaa", default, "admin,inference"), ("bbbbbbbb", acme, "admin"),
-                                       ("cccccccc", acme, "inference")]:
-            session.add(ApiKey(prefix=prefix, key_hash=hash_key(prefix), tenant_id=tenant.id, scopes=scopes))
-        session.commit()
+    with engine.begin() as connection:  # rows as that schema held them (the models have moved on)
+        for tenant_id, name in [(1, "default"), (2, "acme")]:
+            connection.execute(text("INSERT INTO tenant (id, name, tier, models, disabled, created_at) "
+                                    "VALUES (:id, :name, 'standard', '[]', 0, '2026-01-01')"),
+                               {"id": tenant_id, "name": name})
+        for prefix, tenant_id, scopes in [("aaaaaaaa", 1, "admin,inference"), ("bbbbbbbb", 2, "admin"),
+                                          ("cccccccc", 2, "inference")]:
+            connection.execute(text("INSERT INTO api_key (prefix, key_hash, tenant_id, name, scopes, created_at) "
+                                    "VALUES (:prefix, :hash, :tenant, '', :scopes, '2026-01-01')"),
+                               {"prefix": prefix, "hash": hash_key(prefix), "tenant": tenant_id, "scopes": scopes})
     upgrade(engine)
     with Session(engine) as session:
         scopes = {k.prefix: k.scopes for k in session.exec(select(ApiKey))}

@@ -292,6 +292,12 @@ def test_admin_api_manages_tenants_and_keys_with_an_audit_trail(gw):
     patched = admin(gw, "PATCH", f"/admin/tenants/{name}", json={"rpm": 7, "models": ["tiny"]}).json()
     assert patched["rpm"] == 7 and patched["models"] == ["tiny"] and patched["tier"] == "standard"
     assert admin(gw, "PATCH", f"/admin/tenants/{name}", json={"rpm": None}).json()["rpm"] is None
+    budget = admin(gw, "PATCH", f"/admin/tenants/{name}", json={"daily_budget_usd": "12.3456789012"})
+    assert budget.status_code == 400 and "9 decimal places" in budget.json()["error"]["message"]  # nano-dollars
+    budget = admin(gw, "PATCH", f"/admin/tenants/{name}", json={"daily_budget_usd": "12.5", "monthly_budget_usd": 300})
+    assert (budget.json()["daily_budget_usd"], budget.json()["monthly_budget_usd"]) == ("12.5", "300")
+    assert admin(gw, "GET", f"/admin/tenants/{name}").json()["daily_budget_usd"] == "12.5"  # exact, from the database
+    admin(gw, "PATCH", f"/admin/tenants/{name}", json={"daily_budget_usd": None, "monthly_budget_usd": None})
 
     rotated = admin(gw, "POST", f"/admin/keys/{prefix(key)}/rotate").json()
     assert rotated["tenant"] == name and rotated["key"] != key
@@ -304,7 +310,7 @@ def test_admin_api_manages_tenants_and_keys_with_an_audit_trail(gw):
 
     audit = [e for e in admin(gw, "GET", "/admin/audit").json() if e["target"] in (name, prefix(key))]
     actions = [e["action"] for e in reversed(audit)]
-    assert actions == ["tenant.create", "key.create", "tenant.update", "tenant.update", "key.rotate"]
+    assert actions == ["tenant.create", "key.create", *["tenant.update"] * 4, "key.rotate"]
     first_update = next(e for e in reversed(audit) if e["action"] == "tenant.update")
     assert first_update["before"]["rpm"] == 5 and first_update["after"]["rpm"] == 7
     assert first_update["actor"] == key_prefix(ADMIN_KEY)  # the admin key that made the change
@@ -323,10 +329,12 @@ def test_backpressure_refuses_with_503_when_the_queue_is_full_or_too_slow(tiny_m
                 await asyncio.sleep(0.3)
                 queued = asyncio.create_task(http.post("/v1/completions", json=body))
                 await asyncio.sleep(0.1)
+                scraped = (await http.get("/metrics")).text
                 full = await http.post("/v1/completions", json=body)
-                return await first, await queued, full
+                return await first, await queued, full, scraped
 
-        first, queued, full = asyncio.run(crowd())
+        first, queued, full, scraped = asyncio.run(crowd())
+    assert "\nservegate_saturation 2.0\n" in scraped  # one in flight and one queued, on one slot
     assert first.status_code == 200
     assert queued.status_code == 503 and "no capacity freed within 0.5 s" in queued.json()["error"]["message"]
     assert full.status_code == 503 and "saturated" in full.json()["error"]["message"]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 import uuid
 
@@ -57,3 +60,19 @@ def test_gateway_on_postgresql(postgres_url, tiny_model_dir, tmp_path):
         assert all(r.completion_tokens == 2 and r.status == "ok" for r in rows)
         report = httpx.get(f"{url}/admin/usage", headers=AUTH, params={"tenant": "pg"}).json()
         assert report["totals"]["requests"] == 3 and report["totals"]["completion_tokens"] == 6
+
+
+def test_replicas_that_start_together_migrate_one_at_a_time(postgres_url):
+    """Each gateway pod runs `servegate db upgrade` as it starts (deploy/kubernetes): four at once
+    all succeed, and the schema is created once, at its head."""
+    env = {**os.environ, "SERVEGATE_DATABASE_URL": postgres_url}
+    upgrades = [subprocess.Popen([sys.executable, "-m", "gateway", "db", "upgrade"], env=env, stderr=subprocess.PIPE,
+                                 text=True) for _ in range(4)]
+    for process in upgrades:
+        _, stderr = process.communicate(timeout=120)
+        assert process.returncode == 0, stderr
+    engine = make_engine(postgres_url)
+    check_migrated(engine)
+    with engine.connect() as connection:
+        assert connection.execute(text("SELECT count(*) FROM alembic_version")).scalar() == 1
+    engine.dispose()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
 import openai
 import pytest
 
@@ -18,7 +19,7 @@ from backends.base import (
 )
 from backends.providers import ProviderBackend, ProviderConfig
 
-from .conftest import ADMIN_KEY, free_port, gateway_app, generated, serve_app, wait_ready
+from .conftest import ADMIN_KEY, AUTH, free_port, gateway_app, generated, serve_app, usage_records, wait_ready
 
 ERRORS = {  # prompt -> (status, message)
     "too long": (400, "This model's maximum context length is 4096 tokens. However, you requested 9000 tokens."),
@@ -80,3 +81,20 @@ def test_a_provider_behind_the_gateway(upstreams, tmp_path):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=ADMIN_KEY, max_retries=0)
         reply = client.chat.completions.create(model="cloud", messages=[{"role": "user", "content": "hi"}])
         assert reply.choices[0].message.content.startswith(" tok0") and reply.usage.completion_tokens == 8
+
+
+def test_a_provider_is_billed_at_litellms_list_price(upstreams, tmp_path):
+    """gpt-4o-mini in litellm's bundled cost map: $0.15 per million input tokens, $0.60 output; the
+    stub reports 12 prompt and 8 completion tokens: 12 * 0.15 + 8 * 0.60 = 6.6 micro-dollars."""
+    good, _ = upstreams
+    backend = ProviderBackend(ProviderConfig(model="openai/gpt-4o-mini", api_base=f"{good}/v1", api_key="sk-local",
+                                             max_context=4096), name="litellm")
+    with serve_app(gateway_app({"mini": backend}, tmp_path)) as url:
+        wait_ready(url)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=ADMIN_KEY, max_retries=0)
+        client.chat.completions.create(model="mini", messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+        (record,) = usage_records(url, "default")
+        assert (record["prompt_tokens"], record["completion_tokens"], record["cost_nano_usd"]) == (12, 8, 6600)
+        totals = httpx.get(f"{url}/admin/usage", headers=AUTH).json()["totals"]
+        assert totals["cost_usd"] == "0.0000066"
+        assert 'servegate_spend_usd_total{model="mini",tenant="default"} 6.6e-06' in httpx.get(f"{url}/metrics").text
