@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from pathlib import Path
 
 from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
 from opentelemetry.trace import TracerProvider
 from sqlalchemy import Engine
 
@@ -90,4 +92,22 @@ def create_app(backends: dict[str, Backend], settings: Settings | None = None, d
     for module in (health, metrics, openai, tgi, admin):
         app.include_router(module.router)
     app.include_router(tgi.router, prefix="/tgi/{model:path}")  # TGI routes for one model among several
+    app.mount("/ui", Console(directory=CONSOLE, html=True), name="console")
     return app
+
+
+CONSOLE = Path(__file__).parent / "console"
+
+
+class Console(StaticFiles):
+    """The operators' console: static files that call the admin API with the user's key. Nothing
+    but its own files may run or load in it, and no other site may frame it."""
+
+    HEADERS = {"Content-Security-Policy": "default-src 'self'; "
+                                          "frame-ancestors 'none'; base-uri 'none'; form-action 'self'",
+               "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
+
+    def file_response(self, *args, **kwargs):
+        response = super().file_response(*args, **kwargs)
+        response.headers.update(self.HEADERS)
+        return response

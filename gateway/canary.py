@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from policies.rollout import RolloutPolicy
 
 from . import routes
 from .routing import Decision, ModelRouter
-from .telemetry import GatewayMetrics
+from .telemetry import GatewayMetrics, percentile
 
 log = logging.getLogger("servegate.canary")
 ACTOR = "canary-guard"
@@ -34,13 +33,6 @@ class Sample:
     tpot_ms: float | None
 
 
-def p95(values: list[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
-
-
 @dataclass(frozen=True)
 class Stats:
     requests: int
@@ -52,8 +44,8 @@ class Stats:
     def of(cls, samples: list[Sample]) -> Stats:
         ok = [s for s in samples if s.ok]
         return cls(len(samples), 1 - len(ok) / len(samples) if samples else 0.0,
-                   p95([s.ttft_ms for s in ok if s.ttft_ms is not None]),
-                   p95([s.tpot_ms for s in ok if s.tpot_ms is not None]))
+                   percentile([s.ttft_ms for s in ok if s.ttft_ms is not None], 95),
+                   percentile([s.tpot_ms for s in ok if s.tpot_ms is not None], 95))
 
 
 def verdict(policy: RolloutPolicy, active: Stats, canary: Stats) -> str | None:

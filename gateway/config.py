@@ -67,6 +67,10 @@ def load_backends(path: Path) -> dict[str, Backend]:
     except ValidationError as exc:
         first = exc.errors()[0]
         raise ValueError(f"{path}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from exc
+    names = [spec.name for spec in config.backends]
+    for name in names:
+        if names.count(name) > 1:
+            raise ValueError(f"{path}: two backends are named {name!r}")
     served: dict[str, Backend] = {}
     for spec in config.backends:
         backend = spec.build()

@@ -120,6 +120,10 @@ class ModelRouter:
                  admission: dict[str, Admission] | None = None) -> None:
         self.backends = backends  # served model id -> backend
         self.by_name = {b.name: b for b in backends.values()}
+        if len(self.by_name) != len({id(b) for b in backends.values()}):  # routes, breakers, queues go by name
+            names = [b.name for b in {id(b): b for b in backends.values()}.values()]
+            raise ValueError(f"backends need distinct names: {sorted({n for n in names if names.count(n) > 1})} "
+                             "name more than one")
         self.routes: dict[str, RouteState] = {}
         self.rng = random.Random(seed)
         self.breakers = {name: dataclasses.replace(breaker or Breaker()) for name in self.by_name}

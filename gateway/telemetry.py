@@ -7,12 +7,21 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The nearest-rank percentile (a value that occurred), None without values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(math.ceil(q / 100 * len(ordered)) - 1, 0))]
 
 
 class GatewayMetrics:

@@ -3,8 +3,10 @@ is written to the audit log (who, what, before, after) in the same transaction."
 
 from __future__ import annotations
 
+import csv
 import getpass
-from datetime import datetime, timedelta
+import io
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -14,6 +16,7 @@ from sqlmodel import Session, col, select
 from .errors import GatewayError
 from .keys import hash_key, key_prefix, new_key
 from .models import ApiKey, AuditLog, Dollars, Limits, Tenant, UsageRecord, as_utc, usd, utcnow
+from .telemetry import percentile
 
 Scope = Literal["inference", "admin", "operator"]  # admin: its own tenant; operator: every tenant
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
@@ -245,6 +248,84 @@ def usage_report(session: Session, tenant: str | None = None, since: datetime | 
     return UsageReport(totals=UsageTotals(requests=totals[0], prompt_tokens=totals[1], completion_tokens=totals[2],
                                           cached_tokens=totals[3], cost_usd=usd(totals[4])),
                        records=[r.model_dump(mode="json") for r in rows])
+
+
+Bucket = Literal["minute", "hour", "day"]
+GroupBy = Literal["model", "key", "tenant"]
+BUCKETS = {"minute": 60, "hour": 3600, "day": 86_400}
+SERIES_GROUPS = {"model": UsageRecord.model, "key": UsageRecord.key_prefix, "tenant": UsageRecord.tenant}
+SERIES_MAX_ROWS = 200_000  # records read per series request (about a day at 2 requests/s)
+
+
+class SeriesPoint(BaseModel):
+    at: datetime  # the bucket's start
+    requests: int
+    errors: int
+    prompt_tokens: int
+    completion_tokens: int
+    cost_usd: Dollars
+    ttft_p50_ms: float | None
+    ttft_p95_ms: float | None
+
+
+class Series(BaseModel):
+    group: str  # the model, key prefix or tenant
+    points: list[SeriesPoint]
+
+
+class UsageSeries(BaseModel):
+    bucket: Bucket
+    by: GroupBy
+    since: datetime
+    until: datetime
+    series: list[Series]
+    truncated: bool = Field(description="More records than one request reads: narrow the range.")
+
+
+def usage_series(session: Session, tenant: str | None, since: datetime, until: datetime,
+                 bucket: Bucket, by: GroupBy) -> UsageSeries:
+    """Usage over time, per bucket and group: requests, errors, tokens, cost, TTFT p50 and p95."""
+    since, until = as_utc(since), as_utc(until)
+    group = SERIES_GROUPS[by]
+    conditions = [UsageRecord.started_at >= since, UsageRecord.started_at < until]
+    if tenant is not None:
+        conditions.append(UsageRecord.tenant == tenant)
+    rows = session.exec(select(group, UsageRecord.started_at, UsageRecord.status, UsageRecord.prompt_tokens,
+                               UsageRecord.completion_tokens, UsageRecord.cost_nano_usd, UsageRecord.ttft_ms)
+                        .where(*conditions).order_by(col(UsageRecord.started_at)).limit(SERIES_MAX_ROWS + 1)).all()
+    width = BUCKETS[bucket]
+    cells: dict[tuple[str, int], list] = {}
+    for name, started, status, prompt, completion, cost, ttft in rows[:SERIES_MAX_ROWS]:
+        start = int(as_utc(started).timestamp()) // width * width
+        cell = cells.setdefault((name or "", start), [0, 0, 0, 0, 0, []])
+        cell[0] += 1
+        cell[1] += status == "error"
+        cell[2] += prompt
+        cell[3] += completion
+        cell[4] += cost
+        if ttft is not None:
+            cell[5].append(ttft)
+    series: dict[str, list[SeriesPoint]] = {}
+    for (name, start), (requests, errors, prompt, completion, cost, ttfts) in sorted(cells.items()):
+        series.setdefault(name, []).append(SeriesPoint(
+            at=datetime.fromtimestamp(start, UTC), requests=requests, errors=errors, prompt_tokens=prompt,
+            completion_tokens=completion, cost_usd=usd(cost), ttft_p50_ms=percentile(ttfts, 50),
+            ttft_p95_ms=percentile(ttfts, 95)))
+    return UsageSeries(bucket=bucket, by=by, since=since, until=until,
+                       series=[Series(group=name, points=points) for name, points in series.items()],
+                       truncated=len(rows) > SERIES_MAX_ROWS)
+
+
+def series_csv(series: UsageSeries) -> str:
+    """One row per bucket and group, for a spreadsheet."""
+    out = io.StringIO()
+    writer = csv.writer(out)
+    fields = list(SeriesPoint.model_fields)
+    writer.writerow([series.by, *fields])
+    for line in series.series:
+        for point in line.points:
+            writer.writerow([line.group, *point.model_dump(mode="json").values()])
+    return out.getvalue()
 
 
 # -- first start ----------------------------------------------------------------------------

@@ -36,6 +36,8 @@ def test_each_kind_builds_its_adapter(tmp_path):
     ("backends:\n  - {name: a, kind: vllm, model: m}\n", "needs `url` and `model`"),
     ("backends:\n  - {name: a, kind: vllm, url: x, model: m}\n  - {name: b, kind: tgi, url: y, model: m}\n",
      "two backends serve the model 'm'"),
+    ("backends:\n  - {name: a, kind: vllm, url: x, model: m}\n  - {name: a, kind: tgi, url: y, model: n}\n",
+     "two backends are named 'a'"),
     ("backends:\n  - {name: a, kind: vllm, url: x, model: m, colour: red}\n", "backends.0.colour"),
 ])
 def test_mistakes_are_named(tmp_path, text, message):

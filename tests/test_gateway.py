@@ -27,7 +27,7 @@ PROMPT = "Count with me:"
 
 def tiny_backend(tiny_model_dir, name: str = "tiny") -> BuiltinBackend:
     return BuiltinBackend(EngineConfig(model=str(tiny_model_dir), dtype="float64", served_name=name,
-                                       kv_cache_tokens=4096, engine_process=False))  # tests read its engine
+                                       kv_cache_tokens=4096, engine_process=False), name)  # tests read its engine
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +214,7 @@ def test_rpm_admits_exactly_the_limit_out_of_50_concurrent(gw):
     assert 1 <= int(refused.headers["retry-after"]) <= 60
     metrics = httpx.get(f"{gw.url}/metrics").text
     assert f'servegate_quota_rejections_total{{limit="rpm",tenant="{name}"}} 40.0' in metrics
-    assert f'servegate_requests_total{{backend="builtin",model="tiny",status="ok",tenant="{name}"}} 10.0' in metrics
+    assert f'servegate_requests_total{{backend="tiny",model="tiny",status="ok",tenant="{name}"}} 10.0' in metrics
 
 
 def test_tokens_per_minute_are_reserved_in_flight_and_returned_on_disconnect(gw):
@@ -354,3 +354,47 @@ def test_a_chat_prompt_is_templated_and_tokenized_once_per_request(gw, monkeypat
                                                     max_tokens=2)
     assert reply.usage.prompt_tokens > 0 and len(calls) == 1
     assert set(backend._counted) <= earlier  # this request's ids were handed over, not left behind
+
+
+def test_usage_over_time_per_key_with_percentiles_csv_and_tenant_isolation(gw):
+    """The console's charts: requests, errors, tokens and TTFT p50/p95 per minute and key, the same
+    as CSV; a tenant's administrator sees only its own tenant's series."""
+    name, key = tenant_with_key(gw)
+    second = admin(gw, "POST", "/admin/keys", json={"tenant": name, "scopes": ["inference", "admin"]}).json()["key"]
+    away_from_minute_edge()
+    for used, count in ((key, 3), (second, 2)):
+        for _ in range(count):
+            client(gw, used).completions.create(model="tiny", prompt="Hello", max_tokens=3,
+                                                extra_body={"ignore_eos": True})
+    usage_records(gw.url, name, count=5)
+    series = admin(gw, "GET", "/admin/usage/series", params={"tenant": name, "bucket": "minute", "by": "key"}).json()
+    assert series["bucket"] == "minute" and series["by"] == "key" and not series["truncated"]
+    lines = {line["group"]: line["points"] for line in series["series"]}
+    assert {k: sum(p["requests"] for p in points) for k, points in lines.items()} == {prefix(key): 3, prefix(second): 2}
+    (point,) = lines[prefix(key)]
+    assert point["completion_tokens"] == 9 and point["errors"] == 0 and point["at"].endswith(":00Z")
+    assert 0 < point["ttft_p50_ms"] <= point["ttft_p95_ms"]
+    csv_text = admin(gw, "GET", "/admin/usage/series.csv", params={"tenant": name, "bucket": "minute", "by": "key"})
+    assert csv_text.headers["content-type"].startswith("text/csv")
+    rows = csv_text.text.strip().splitlines()
+    assert rows[0].startswith("key,at,requests,errors,prompt_tokens,completion_tokens,cost_usd,ttft_p50_ms")
+    assert sorted(row.split(",")[0] for row in rows[1:]) == sorted([prefix(key), prefix(second)])
+    own = httpx.get(f"{gw.url}/admin/usage/series", headers=bearer(second), params={"by": "tenant"}).json()
+    assert [line["group"] for line in own["series"]] == [name]  # the tenant admin's reach: its own tenant
+    assert httpx.get(f"{gw.url}/admin/usage/series", headers=bearer(second),
+                     params={"tenant": "default"}).status_code == 404
+    assert httpx.get(f"{gw.url}/admin/backends", headers=bearer(second)).status_code == 403
+    me = httpx.get(f"{gw.url}/admin/me", headers=bearer(second)).json()
+    assert me == {"subject": prefix(second), "tenant": name, "scopes": ["admin", "inference"], "operator": False}
+    assert httpx.get(f"{gw.url}/admin/me", headers=bearer(key)).status_code == 403  # inference only
+    assert admin(gw, "GET", "/admin/me").json()["operator"] is True
+
+
+def test_backends_and_a_missing_canary_as_the_console_reads_them(gw):
+    backends = admin(gw, "GET", "/admin/backends").json()
+    assert {b["name"] for b in backends} == {"tiny", "tiny-b"}
+    tiny = next(b for b in backends if b["name"] == "tiny")
+    assert tiny["health"] == "ready" and tiny["runtime"] == "builtin" and not tiny["breaker_open"]
+    assert 0 <= tiny["kv_usage"] <= 1 and tiny["in_flight"] == 0 and tiny["saturation"] == 0
+    missing = admin(gw, "GET", "/admin/routes/nowhere/canary")
+    assert missing.status_code == 404 and "runs no canary" in missing.json()["error"]["message"]

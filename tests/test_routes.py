@@ -343,3 +343,12 @@ def test_routing_rules_reason_reaches_the_response_header(gateway):
     assert "backend=mirror" in route and "rules: batch-tier-to-throughput-pool" in route
     interactive = chat(url).headers["x-servegate-route"]
     assert "backend=a" in interactive and "interactive-off-throughput-pool" in interactive
+
+
+def test_two_backends_under_one_name_are_refused():
+    """Routes, breakers and admission queues go by backend name: two backends sharing one would
+    silently share them."""
+    with pytest.raises(ValueError, match=r"distinct names: \['same'\]"):
+        ModelRouter({"model-a": backend("same"), "model-b": backend("same")})
+    shared = backend("one")
+    assert set(ModelRouter({"alias-a": shared, "alias-b": shared}).by_name) == {"one"}  # one backend, two names

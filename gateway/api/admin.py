@@ -6,17 +6,22 @@ within the refresh interval."""
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
+from fastapi.responses import Response
 from sqlmodel import Session, col, select
 
 from .. import routes, shadow, tenancy
 from ..auth import Principal
+from ..canary import verdict
 from ..deps import AdminPrincipal, GatewayDep, OperatorPrincipal
-from ..models import AuditLog
+from ..errors import GatewayError
+from ..models import AuditLog, utcnow
 from ..service import Gateway
 from ..tenancy import KeyCreated, KeyIn, KeyOut, TenantIn, TenantOut, TenantPatch, UsageReport
 
@@ -46,6 +51,13 @@ def _own(admin: Principal, tenant: str | None) -> str | None:
     if mine is not None and tenant not in (None, mine):
         raise tenancy.NotFound(f"no tenant named {tenant!r}")
     return tenant if mine is None else mine
+
+
+@router.get("/me")
+def me(admin: AdminPrincipal) -> dict[str, Any]:
+    """Who the key acts as: what the console shows and hides."""
+    return {"subject": admin.subject, "tenant": admin.tenant.name, "scopes": sorted(admin.scopes),
+            "operator": admin.operator}
 
 
 @router.get("/tenants", response_model=list[TenantOut])
@@ -107,6 +119,46 @@ def usage(admin: AdminPrincipal, session: SessionDep, tenant: str | None = None,
     return tenancy.usage_report(session, _own(admin, tenant), since, until, limit)
 
 
+@router.get("/usage/series", response_model=tenancy.UsageSeries)
+def usage_series(admin: AdminPrincipal, session: SessionDep, tenant: str | None = None,
+                 since: datetime | None = None, until: datetime | None = None,
+                 bucket: tenancy.Bucket = "hour", by: tenancy.GroupBy = "model"):
+    """Usage over time (default: the last 24 hours), per bucket and per model, key or tenant."""
+    until = until or utcnow()
+    if since is None:
+        if until.year < 2:
+            raise GatewayError(400, "until is before the first day there can be usage for", "invalid_request_error",
+                               param="until")
+        since = until - timedelta(days=1)
+    return tenancy.usage_series(session, _own(admin, tenant), since, until, bucket, by)
+
+
+@router.get("/usage/series.csv", response_class=Response, responses={
+    200: {"description": "One row per bucket and group.", "content": {"text/csv": {"schema": {"type": "string"}}}}})
+def usage_series_csv(admin: AdminPrincipal, session: SessionDep, tenant: str | None = None,
+                     since: datetime | None = None, until: datetime | None = None,
+                     bucket: tenancy.Bucket = "hour", by: tenancy.GroupBy = "model"):
+    series = usage_series(admin, session, tenant, since, until, bucket, by)
+    return Response(tenancy.series_csv(series), media_type="text/csv",
+                             headers={"Content-Disposition": 'attachment; filename="usage.csv"'})
+
+
+@router.get("/backends")
+async def backends(_: OperatorPrincipal, gateway: GatewayDep) -> list[dict[str, Any]]:
+    """Each backend as this replica sees it: health, live load, its admission queue and breaker."""
+    router, now = gateway.router, time.monotonic()
+    out = []
+    for model, backend in router.backends.items():
+        capabilities, load = await backend.capabilities(), await backend.load()
+        admission, breaker = router.admission[backend.name], router.breakers[backend.name]
+        out.append({"name": backend.name, "model": model, "runtime": capabilities.runtime, "dtype": capabilities.dtype,
+                    "health": (await backend.health()).value, "running": load.running, "waiting": load.waiting,
+                    "kv_usage": load.kv_usage, "prefix_hit_rate": load.prefix_hit_rate,
+                    "in_flight": admission.in_flight, "queued": admission.queued,
+                    "saturation": admission.saturation, "breaker_open": not breaker.allows(now)})
+    return out
+
+
 @router.get("/audit")
 def audit(_: OperatorPrincipal, session: SessionDep,
           limit: Annotated[int, Query(ge=1, le=10_000)] = 100) -> list[dict[str, Any]]:
@@ -146,6 +198,20 @@ def rollback_route(alias: str, admin: OperatorPrincipal, session: SessionDep, ga
     out = routes.rollback(session, admin.subject, alias, to, reason)
     gateway.load_routes()
     return out
+
+
+@router.get("/routes/{alias}/canary")
+def canary_comparison(alias: str, _: OperatorPrincipal, gateway: GatewayDep) -> dict[str, Any]:
+    """The running canary against the active version, on the traffic this replica served in the
+    guard's window, and what the guard would decide now."""
+    state = gateway.router.routes.get(alias)
+    if state is None or state.canary is None or state.active is None:
+        raise tenancy.NotFound(f"route {alias!r} runs no canary")
+    guard = gateway.canary
+    active, canary = guard.stats(alias, state.active.version), guard.stats(alias, state.canary.version)
+    return {"alias": alias, "active": {"version": state.active.version, **dataclasses.asdict(active)},
+            "canary": {"version": state.canary.version, "share": state.canary.share, **dataclasses.asdict(canary)},
+            "verdict": verdict(guard.policy, active, canary), "policy": guard.policy.model_dump()}
 
 
 @router.get("/routes/{alias}/shadow")
