@@ -95,7 +95,19 @@ const pages = {
       LIMITS.map(([name, label]) => field(label, name, { type: "number", min: 1 })),
       BUDGETS.map(([name, label]) => field(label, name, { type: "number", min: 0.01, step: 0.01 })),
       h("button", { type: "submit" }, "Create tenant"));
-    return [h("h2", {}, "Tenants"), create, table(`${tenants.length} tenants`, [
+    const change = h("form", { "aria-label": "Change a tenant's limits", onsubmit: async event => {
+      event.preventDefault();
+      const { tenant, ...given } = formValues(event.target, LIMITS.map(([n]) => n), BUDGETS.map(([n]) => n));
+      const body = Object.fromEntries(Object.entries(given).map(([k, v]) => [k, Number(v) === 0 ? null : v]));
+      await act(() => api("PATCH", `/admin/tenants/${encodeURIComponent(tenant)}`, body), `Tenant ${tenant} updated.`);
+    } },
+      h("label", {}, "Tenant", h("select", { name: "tenant", required: true },
+        tenants.map(t => h("option", { value: t.name }, t.name)))),
+      LIMITS.map(([name, label]) => field(label, name, { type: "number", min: 0, placeholder: "unchanged" })),
+      BUDGETS.map(([name, label]) => field(label, name, { type: "number", min: 0, step: 0.01, placeholder: "unchanged" })),
+      h("button", { type: "submit" }, "Change limits"), h("small", {}, "0 lifts a limit."));
+    return [h("h2", {}, "Tenants"), h("h3", {}, "New tenant"), create, h("h3", {}, "Change a tenant's limits"), change,
+      table(`${tenants.length} tenants`, [
       ["Name", t => t.name], ["Tier", t => t.tier], ["Models", t => t.models.join(", ") || "all"],
       ...limitColumns,
       ["State", t => h("button", { type: "button", class: t.disabled ? "secondary" : "danger",
@@ -126,7 +138,7 @@ const pages = {
       h("button", { type: "submit" }, "Create key"));
     const live = key => !key.revoked_at;
     return [h("h2", {}, "Keys"), shown ? oneTimeKey(shown, `New key ${shown.prefix} for ${shown.tenant}`) : null,
-      create, table(`${keys.length} keys`, [
+      h("h3", {}, "New key"), create, table(`${keys.length} keys`, [
         ["Prefix", k => h("code", {}, k.prefix)], ["Tenant", k => k.tenant], ["Name", k => k.name],
         ["Scopes", k => k.scopes.join(", ")], ["Created", k => when(k.created_at)],
         ["Expires", k => when(k.expires_at) || "never"], ["Revoked", k => when(k.revoked_at)],
