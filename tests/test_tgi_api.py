@@ -24,7 +24,7 @@ PROMPT = "The weather today is"
 @pytest.fixture(scope="module")
 def tgi(tiny_model_dir, tmp_path_factory):
     backends = {name: BuiltinBackend(EngineConfig(model=str(tiny_model_dir), dtype="float64", served_name=name,
-                                                  kv_cache_tokens=4096, engine_process=False))
+                                                  kv_cache_tokens=4096, engine_process=False), name)
                 for name in ("tiny", "tiny-b")}
     app = gateway_app(backends, tmp_path_factory.mktemp("tgi"))
     with serve_app(app) as url:

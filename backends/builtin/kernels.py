@@ -30,6 +30,8 @@ _failed: str | None = None
 
 def _load():
     global _module, _failed
+    if _module is not None:  # built already: the per-call path takes no lock
+        return _module
     with _lock:
         if _module is None and _failed is None:
             started, done = time.monotonic(), threading.Event()
