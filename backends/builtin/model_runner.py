@@ -33,7 +33,8 @@ def quantized(model: torch.nn.Module, weight_quant: str, device: torch.device) -
 class PackedLinear(torch.nn.Module):
     """A Linear whose weight oneDNN reorders once into its own blocked layout, as vLLM's CPU build
     prepacks its weights: at the few rows of a decode step, bf16 GEMMs read it 1.5-3x faster than
-    a row-major weight here, with the same results."""
+    a row-major weight, and float32 ones 2.4-5.7x faster than PyTorch's MKL path on AMD EPYC
+    (the LM head at 16 rows: 23 -> 4 ms)."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
@@ -45,9 +46,12 @@ class PackedLinear(torch.nn.Module):
 
 
 def prepacked(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """bf16 on the CPU: every Linear packed for oneDNN. Elsewhere the model as it is (in float32
-    packing changes results in the last bits, and the tests hold float32 to the references)."""
-    if device.type != "cpu" or dtype != torch.bfloat16 or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    """bf16 and float32 on the CPU: every Linear packed for oneDNN (float32 sums in another order
+    than MKL's, about 1e-4 apart at most, as vLLM's CPU build computes them). float64, the tests'
+    reference dtype, as it is."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+        return model
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return model  # oneDNN's bf16 needs AVX-512 at least: a bf16 model asked for on an AVX2 CPU is left as it is
     for parent in list(model.modules()):
         for name, child in parent.named_children():
