@@ -187,7 +187,7 @@ class Call:
             context = (await backend.capabilities()).max_context or UNKNOWN_CONTEXT
             completion = max(context - self.prompt_tokens, 1)
         tokens = self.prompt_tokens + completion * self.greq.n
-        price = await self._price(backend)
+        self.price = price = await self._price(backend)
         cost = price.cost(self.prompt_tokens, completion * self.greq.n) if price else 0
         try:
             self.reservation = await self.env.quotas.reserve(self.principal.quota_scopes(), tokens, cost)
@@ -221,7 +221,7 @@ class Call:
         try:
             for number, backend in enumerate(candidates, 1):
                 self.backend = backend
-                if self.billed:
+                if self.billed and number > 1:  # the first candidate's price was read when reserving
                     self.price = await self._price(backend)
                 span, headers = self.trace.backend_call(self.greq, backend.name)
                 usage, reasons, failure = None, (), None

@@ -316,10 +316,14 @@ class RedisQuotaStore(QuotaStore):
     def _key(self, scope: Scope, name: str, window: int) -> str:
         return f"{self.namespace}:{scope.name}:{name}:{window}"
 
+    def _window_keys(self, scope: Scope, r: Reservation) -> list[str]:
+        """The scope's counter keys (COUNTERS) for the reservation's windows, then its concurrency set."""
+        return [self._key(scope, c.key, r.window(c)) for c in COUNTERS] + [f"{self.namespace}:{scope.name}:conc"]
+
     async def _reserve(self, r: Reservation, now: float) -> tuple[Scope, str, int] | None:
         keys, limits = [], []
         for scope in r.scopes:
-            keys += [self._key(scope, c.key, r.window(c)) for c in COUNTERS] + [f"{self.namespace}:{scope.name}:conc"]
+            keys += self._window_keys(scope, r)
             limits += [-1 if v is None else v for v in (*(getattr(scope.limits, c.limit) for c in COUNTERS),
                                                          scope.limits.max_concurrency)]
         args = [now, r.id, now + self.slot_ttl_s, len(COUNTERS), *(r.amount(c) for c in COUNTERS),
@@ -341,7 +345,7 @@ class RedisQuotaStore(QuotaStore):
             return await self.fallback._settle(r, token_delta, cost_delta, cost)
         keys = []
         for scope in r.scopes:
-            keys += [self._key(scope, c.key, r.window(c)) for c in COUNTERS] + [f"{self.namespace}:{scope.name}:conc"]
+            keys += self._window_keys(scope, r)
             keys += [self._key(scope, f"{c.key}:spent", r.window(c)) for c in BUDGETS]
         deltas = [{"requests": 0, "tokens": token_delta, "cost": cost_delta}[c.charge] for c in COUNTERS]
         args = [r.id, len(COUNTERS), len(BUDGETS), *deltas, cost, *(c.ttl for c in BUDGETS)]
