@@ -97,13 +97,17 @@ def test_native_kernel_equals_the_pytorch_path(dtype, kv_dtype):
     assert kernels.available(torch.device("cpu"), kv.data.dtype, 64), kernels._failed
     tables = [[3, 7, 9, 11, 20], [1, 2], [30, 31, 32], [40]]
     ctx = [70, 20, 40, 1]
-    for q_lens in ([1, 1, 1, 1], [1, 5, 1, 1], [3, 5, 2, 1]):  # decode only, mixed, prefill chunks only
+    # decode only, mixed, short chunks only; chunks over several 16-token tiles: after cached
+    # tokens (40 of 70, 39 of 40), a whole prompt (20 of 20)
+    for q_lens in ([1, 1, 1, 1], [1, 5, 1, 1], [3, 5, 2, 1], [40, 20, 39, 1]):
         tokens = sum(q_lens)
         q, k, v = (torch.randn(tokens, h, 64).to(dtype) for h in (9, 3, 3))
         outs = []
         for use_kernel in (True, False):
             meta = AttentionMetadata.build(q_lens, ctx, tables, 16, torch.device("cpu"), use_kernel)
             assert (meta.kernel is not None) == (use_kernel and 1 in q_lens)
+            assert (meta.chunks is not None) == (use_kernel and max(q_lens) > 1)
+            assert bool(meta.gather) == (not use_kernel)  # the kernels leave nothing to the PyTorch path
             outs.append(paged_attention(q, k, v, copy.deepcopy(kv), meta, 64**-0.5).float())
         assert (outs[0] - outs[1]).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 1e-5)
 

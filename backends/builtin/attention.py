@@ -5,15 +5,15 @@ in the model's dtype or in int8 with one float32 scale per token and head (absma
 A step's tokens arrive flattened (`[num_tokens, heads, head_dim]`); their K/V are first written
 to their slots. Then two paths read the cache, one call each per layer:
 
-- decode tokens (one new token in their sequence) go to the native kernel
-  (`csrc/paged_attention.cpp`), which reads the blocks in place: no gather, no padding;
-- every other token (prompt chunks, or everything when the kernel is off) goes to the
+- with the native kernels, decode tokens (one new token in their sequence) go to
+  `csrc/paged_attention.cpp` and prompt chunks to `csrc/chunk_attention.cpp`, both reading the
+  blocks in place: no gather, no padding, and a chunk attends only its causal half;
+- without them (`--attention torch`, or where they cannot be built) every token goes to the
   PyTorch path: each sequence's context is gathered through its block table into a padded
   batch and attended with one SDPA call under a causal mask aligned bottom-right (a chunk that
   follows cached tokens sees all of them) that also hides padding. Chunks are grouped by length
   (one call per power-of-two class), so a 32-token suffix that hit the prefix cache is not
-  padded to a 544-token prompt beside it. It is the reference the kernel is tested against, and
-  the fallback where the kernel cannot be built.
+  padded to a 544-token prompt beside it. It is the reference the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -95,10 +95,21 @@ class KernelPart:
 
 
 @dataclass
+class ChunkPart:
+    """Prompt chunks attended by the native chunk kernel."""
+
+    tokens: torch.Tensor  # [t] indices into the step's tokens, one chunk after another
+    block_tables: torch.Tensor  # [s, max_blocks]
+    query_starts: torch.Tensor  # [s + 1] where each chunk starts in `tokens`, then the end
+    context_lens: torch.Tensor  # [s] tokens in each sequence's cache once the chunk is written
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
-    gather: tuple[GatherPart, ...]  # one per class of chunk lengths
+    gather: tuple[GatherPart, ...]  # one per class of chunk lengths (the PyTorch path)
     kernel: KernelPart | None
+    chunks: ChunkPart | None = None
 
     @classmethod
     def build(cls, q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], block_size: int,
@@ -116,6 +127,14 @@ class AttentionMetadata:
                 block_tables=_pad([block_tables[i] for i in decode]).to(device),
                 positions=torch.tensor([ctx_lens[i] - 1 for i in decode], device=device),
             )
+        if use_kernel and rest:
+            chunks = ChunkPart(
+                tokens=torch.cat([torch.arange(starts[i], starts[i] + q_lens[i]) for i in rest]).to(device),
+                block_tables=_pad([block_tables[i] for i in rest]).to(device),
+                query_starts=torch.cumsum(torch.tensor([0] + [q_lens[i] for i in rest]), 0).to(device),
+                context_lens=torch.tensor([ctx_lens[i] for i in rest], device=device),
+            )
+            return cls(torch.tensor(slots, device=device), (), kernel, chunks)
         classes: dict[int, list[int]] = {}
         for i in rest:  # chunks padded only to the longest of their class, at most twice their length
             classes.setdefault((q_lens[i] - 1).bit_length(), []).append(i)
@@ -165,12 +184,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
                     scale: float) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H, D]."""
     kv.write(meta.slot_mapping, k, v)
-    if meta.kernel is not None and not meta.gather:  # a pure decode step: no reordering needed
+    if meta.kernel is not None and not meta.gather and meta.chunks is None:  # pure decode: no reordering
         return kernels.paged_attention(q, kv, meta.kernel.block_tables, meta.kernel.positions, scale)
     out = torch.empty_like(q)
     if meta.kernel is not None:
         part = meta.kernel
         out[part.tokens] = kernels.paged_attention(q[part.tokens], kv, part.block_tables, part.positions, scale)
+    if (chunks := meta.chunks) is not None:
+        out[chunks.tokens] = kernels.chunk_attention(q[chunks.tokens], kv, chunks.block_tables, chunks.query_starts,
+                                                     chunks.context_lens, scale)
     for part in meta.gather:
         out[part.tokens] = _gather_attention(q[part.tokens], kv, part, scale)
     return out

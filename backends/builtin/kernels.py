@@ -1,6 +1,7 @@
-"""The native CPU kernels, compiled on first use with `torch.utils.cpp_extension`: paged
-attention (`csrc/paged_attention.cpp`) and a bf16 decoder layer's element-wise work
-(`csrc/layer_ops.cpp`: residual add + RMSNorm, rotary embedding, SiLU-and-multiply).
+"""The native CPU kernels, compiled on first use with `torch.utils.cpp_extension`: attention over
+the paged KV cache, of decode tokens (`csrc/paged_attention.cpp`) and of prompt chunks
+(`csrc/chunk_attention.cpp`), and a bf16 decoder layer's element-wise work (`csrc/layer_ops.cpp`:
+residual add + RMSNorm, rotary embedding, SiLU-and-multiply).
 
 The build (about 30 s on 2 cores, once per machine: torch caches it under
 ~/.cache/torch_extensions, under a name that carries the CPU's feature flags, since it is built
@@ -22,7 +23,7 @@ from ..cpu import cpu_flags
 
 log = logging.getLogger("servegate.kernels")
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [str(CSRC / name) for name in ("paged_attention.cpp", "layer_ops.cpp", "module.cpp")]
+SOURCES = [str(CSRC / name) for name in ("paged_attention.cpp", "chunk_attention.cpp", "layer_ops.cpp", "module.cpp")]
 _lock = threading.Lock()
 _module = None
 _failed: str | None = None
@@ -75,6 +76,16 @@ def paged_attention(q: torch.Tensor, kv, block_tables: torch.Tensor, positions: 
     scales = kv.scales if kv.scales is not None else torch.empty(0)
     out = _load().paged_attention(q.float().contiguous(), kv.data[0], kv.data[1], scales, block_tables, positions,
                                   scale)
+    return out.to(q.dtype)
+
+
+def chunk_attention(q: torch.Tensor, kv, block_tables: torch.Tensor, query_starts: torch.Tensor,
+                    context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [t, H, D], the chunks' tokens one chunk after another; one block table, start and
+    context length per chunk (`query_starts` has one more: the end)."""
+    scales = kv.scales if kv.scales is not None else torch.empty(0)
+    out = _load().chunk_attention(q.float().contiguous(), kv.data[0], kv.data[1], scales, block_tables, query_starts,
+                                  context_lens, scale)
     return out.to(q.dtype)
 
 
