@@ -118,30 +118,33 @@ class AttentionMetadata:
         slots: list[int] = []
         for q_len, ctx, table in zip(q_lens, ctx_lens, block_tables):
             slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx - q_len, ctx)]
-        decode = [i for i, q in enumerate(q_lens) if q == 1] if use_kernel else []
-        rest = [i for i in range(len(q_lens)) if i not in set(decode)]
-        kernel = None
+        slot_mapping = torch.tensor(slots, device=device)
+        if not use_kernel:
+            classes: dict[int, list[int]] = {}
+            for i in range(len(q_lens)):  # chunks padded only to the longest of their class, at most twice their length
+                classes.setdefault((q_lens[i] - 1).bit_length(), []).append(i)
+            gather = tuple(_gather_part([q_lens[i] for i in group], [ctx_lens[i] for i in group],
+                                        [block_tables[i] for i in group], [starts[i] for i in group], block_size,
+                                        device)
+                           for group in classes.values())
+            return cls(slot_mapping, gather, None)
+        decode = [i for i, q in enumerate(q_lens) if q == 1]
+        chunked = [i for i, q in enumerate(q_lens) if q > 1]
+        kernel = chunks = None
         if decode:
             kernel = KernelPart(
                 tokens=torch.tensor([starts[i] for i in decode], device=device),
                 block_tables=_pad([block_tables[i] for i in decode]).to(device),
                 positions=torch.tensor([ctx_lens[i] - 1 for i in decode], device=device),
             )
-        if use_kernel and rest:
+        if chunked:
             chunks = ChunkPart(
-                tokens=torch.cat([torch.arange(starts[i], starts[i] + q_lens[i]) for i in rest]).to(device),
-                block_tables=_pad([block_tables[i] for i in rest]).to(device),
-                query_starts=torch.cumsum(torch.tensor([0] + [q_lens[i] for i in rest]), 0).to(device),
-                context_lens=torch.tensor([ctx_lens[i] for i in rest], device=device),
+                tokens=torch.cat([torch.arange(starts[i], starts[i] + q_lens[i]) for i in chunked]).to(device),
+                block_tables=_pad([block_tables[i] for i in chunked]).to(device),
+                query_starts=torch.cumsum(torch.tensor([0] + [q_lens[i] for i in chunked]), 0).to(device),
+                context_lens=torch.tensor([ctx_lens[i] for i in chunked], device=device),
             )
-            return cls(torch.tensor(slots, device=device), (), kernel, chunks)
-        classes: dict[int, list[int]] = {}
-        for i in rest:  # chunks padded only to the longest of their class, at most twice their length
-            classes.setdefault((q_lens[i] - 1).bit_length(), []).append(i)
-        gather = tuple(_gather_part([q_lens[i] for i in group], [ctx_lens[i] for i in group],
-                                    [block_tables[i] for i in group], [starts[i] for i in group], block_size, device)
-                       for group in classes.values())
-        return cls(torch.tensor(slots, device=device), gather, kernel)
+        return cls(slot_mapping, (), kernel, chunks)
 
 
 def _pad(tables: list[list[int]]) -> torch.Tensor:
@@ -184,7 +187,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
                     scale: float) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H, D]."""
     kv.write(meta.slot_mapping, k, v)
-    if meta.kernel is not None and not meta.gather and meta.chunks is None:  # pure decode: no reordering
+    if meta.kernel is not None and meta.chunks is None:  # pure decode: no reordering
         return kernels.paged_attention(q, kv, meta.kernel.block_tables, meta.kernel.positions, scale)
     out = torch.empty_like(q)
     if meta.kernel is not None:
