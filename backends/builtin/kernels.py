@@ -70,23 +70,24 @@ def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     return served and head_dim in (64, 128) and _load() is not None
 
 
+def _attend(kernel, q: torch.Tensor, kv, *indices) -> torch.Tensor:
+    """Both attention kernels take a float32 query, the layer's K and V caches and their int8
+    scales (empty for other caches); they answer in float32, returned here in the query's dtype."""
+    scales = kv.scales if kv.scales is not None else torch.empty(0)
+    return kernel(q.float().contiguous(), kv.data[0], kv.data[1], scales, *indices).to(q.dtype)
+
+
 def paged_attention(q: torch.Tensor, kv, block_tables: torch.Tensor, positions: torch.Tensor,
                     scale: float) -> torch.Tensor:
     """q: [t, H, D]; kv: a `LayerKV`; one block table and position per token."""
-    scales = kv.scales if kv.scales is not None else torch.empty(0)
-    out = _load().paged_attention(q.float().contiguous(), kv.data[0], kv.data[1], scales, block_tables, positions,
-                                  scale)
-    return out.to(q.dtype)
+    return _attend(_load().paged_attention, q, kv, block_tables, positions, scale)
 
 
 def chunk_attention(q: torch.Tensor, kv, block_tables: torch.Tensor, query_starts: torch.Tensor,
                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [t, H, D], the chunks' tokens one chunk after another; one block table, start and
     context length per chunk (`query_starts` has one more: the end)."""
-    scales = kv.scales if kv.scales is not None else torch.empty(0)
-    out = _load().chunk_attention(q.float().contiguous(), kv.data[0], kv.data[1], scales, block_tables, query_starts,
-                                  context_lens, scale)
-    return out.to(q.dtype)
+    return _attend(_load().chunk_attention, q, kv, block_tables, query_starts, context_lens, scale)
 
 
 def layer_ops(device: torch.device, dtype: torch.dtype):
