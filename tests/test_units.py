@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from backends.builtin.detokenizer import Detokenizer
-from backends.builtin.models.llama import LlamaConfig, rope_inv_freq
+from backends.builtin.models.llama import LlamaConfig, RMSNorm, rope_inv_freq, rotate_half
 from backends.builtin.sampler import _filtered
 
 
@@ -115,16 +115,8 @@ def test_native_kernel_equals_the_pytorch_path(dtype, kv_dtype):
 def test_native_layer_ops_equal_the_pytorch_path():
     """The fused bf16 ops round where PyTorch's operators round: the same bf16 values, but for
     RMSNorm's sum of squares, added in another order (a bf16 ulp, rarely)."""
-    import torch.nn.functional as F
-
-    from backends.builtin import kernels
-    from backends.builtin.models.llama import RMSNorm, rotate_half
-
-    ops = kernels.layer_ops(torch.device("cpu"), torch.bfloat16)
-    assert ops is not None, kernels._failed
-    assert kernels.layer_ops(torch.device("cpu"), torch.float32) is None
+    ops = kernels_layer_ops(torch.bfloat16)
     torch.manual_seed(0)
-    tokens, heads, kv_heads, dim = 37, 9, 3, 64
     norm = RMSNorm(576, 1e-5).bfloat16()
     norm.weight.data.normal_()
     for scale in (0.01, 1.0, 30.0):
@@ -138,20 +130,50 @@ def test_native_layer_ops_equal_the_pytorch_path():
         assert ((got[0].float() - want[0].float()).abs() <= want[0].float().abs() * 2**-6).all()
     first = norm(x.clone(), None, ops)  # the first layer: no residual yet
     assert torch.equal(first[1], x) and (first[0] != norm(x.clone(), None, None)[0]).float().mean() < 1e-4
+    for got, want in rotary_and_silu(ops, torch.bfloat16):
+        assert torch.equal(got, want)
 
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).bfloat16()
+
+def test_native_layer_ops_in_float32_stay_within_float32_rounding():
+    ops = kernels_layer_ops(torch.float32)
+    torch.manual_seed(0)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data.normal_()
+    x, residual = torch.randn(2, 2000, 576) * 30
+    want = norm(x.clone(), residual.clone(), None)
+    got = norm(x.clone(), residual.clone(), ops)
+    assert torch.equal(got[1], want[1])  # one addition: exact
+    torch.testing.assert_close(got[0], want[0], rtol=4e-6, atol=1e-6)
+    for got, want in rotary_and_silu(ops, torch.float32):
+        torch.testing.assert_close(got, want, rtol=4e-6, atol=1e-6)
+
+
+def kernels_layer_ops(dtype):
+    from backends.builtin import kernels
+
+    ops = kernels.layer_ops(torch.device("cpu"), dtype)
+    assert ops is not None, kernels._failed
+    assert kernels.layer_ops(torch.device("cpu"), torch.float16) is None
+    return ops
+
+
+def rotary_and_silu(ops, dtype):
+    """(native, PyTorch) pairs: rotary embedding of qkv's three parts, then SiLU-and-multiply."""
+    import torch.nn.functional as F
+
+    tokens, heads, kv_heads, dim = 37, 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
     angles = torch.arange(tokens).float()[:, None] / 10000 ** (torch.arange(0, dim, 2).float() / dim)
-    cos, sin = torch.cat((angles, angles), -1).cos().bfloat16(), torch.cat((angles, angles), -1).sin().bfloat16()
+    cos, sin = torch.cat((angles, angles), -1).cos().to(dtype), torch.cat((angles, angles), -1).sin().to(dtype)
     rotated = qkv.clone()
     ops.rotary(rotated, cos, sin, heads, kv_heads)
     for part, n, start in ((0, heads, 0), (1, kv_heads, heads * dim), (2, kv_heads, (heads + kv_heads) * dim)):
         x = qkv[:, start:start + n * dim].reshape(tokens, n, dim)
         want = x if part == 2 else x * cos[:, None] + rotate_half(x) * sin[:, None]  # values are not rotated
-        assert torch.equal(rotated[:, start:start + n * dim].reshape(tokens, n, dim), want)
-
-    gate_up = torch.randn(tokens, 2 * 1536).bfloat16() * 4
+        yield rotated[:, start:start + n * dim].reshape(tokens, n, dim), want
+    gate_up = torch.randn(tokens, 2 * 1536).to(dtype) * 4
     gate, up = gate_up.chunk(2, dim=-1)
-    assert torch.equal(ops.silu_mul(gate_up), F.silu(gate) * up)
+    yield ops.silu_mul(gate_up), F.silu(gate) * up
 
 
 def test_int8_cache_stays_close_to_full_precision():

@@ -1,6 +1,6 @@
 """The native CPU kernels, compiled on first use with `torch.utils.cpp_extension`: attention over
 the paged KV cache, of decode tokens (`csrc/paged_attention.cpp`) and of prompt chunks
-(`csrc/chunk_attention.cpp`), and a bf16 decoder layer's element-wise work (`csrc/layer_ops.cpp`:
+(`csrc/chunk_attention.cpp`), and a decoder layer's element-wise work (`csrc/layer_ops.cpp`:
 residual add + RMSNorm, rotary embedding, SiLU-and-multiply).
 
 The build (about 30 s on 2 cores, once per machine: torch caches it under
@@ -91,5 +91,5 @@ def chunk_attention(q: torch.Tensor, kv, block_tables: torch.Tensor, query_start
 
 
 def layer_ops(device: torch.device, dtype: torch.dtype):
-    """The fused element-wise ops where they serve (bf16 on the CPU), else None."""
-    return _load() if device.type == "cpu" and dtype == torch.bfloat16 else None
+    """The fused element-wise ops where they serve (float32 and bf16 on the CPU), else None."""
+    return _load() if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) else None

@@ -13,7 +13,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Exact attention over a paged KV cache (CPU)");
   m.def("chunk_attention", &chunk_attention, "Causal attention of prompt chunks over a paged KV cache (CPU)");
-  m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rms_norm(residual), in place (bf16)");
-  m.def("rotary", &rotary, "Rotary embedding of qkv's query and key heads, in place (bf16)");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up (bf16)");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rms_norm(residual), in place (float32 or bf16)");
+  m.def("rotary", &rotary, "Rotary embedding of qkv's query and key heads, in place (float32 or bf16)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up (float32 or bf16)");
 }
