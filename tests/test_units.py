@@ -103,13 +103,15 @@ def test_native_kernel_equals_the_pytorch_path(dtype, kv_dtype):
         tokens = sum(q_lens)
         q, k, v = (torch.randn(tokens, h, 64).to(dtype) for h in (9, 3, 3))
         outs = []
-        for use_kernel in (True, False):
-            meta = AttentionMetadata.build(q_lens, ctx, tables, 16, torch.device("cpu"), use_kernel)
+        # both kernels; the decode kernel with chunks on the PyTorch path (bf16 on AMX); the PyTorch path alone
+        for use_kernel, chunk_kernel in ((True, True), (True, False), (False, False)):
+            meta = AttentionMetadata.build(q_lens, ctx, tables, 16, torch.device("cpu"), use_kernel, chunk_kernel)
             assert (meta.kernel is not None) == (use_kernel and 1 in q_lens)
-            assert (meta.chunks is not None) == (use_kernel and max(q_lens) > 1)
-            assert bool(meta.gather) == (not use_kernel)  # the kernels leave nothing to the PyTorch path
+            assert (meta.chunks is not None) == (chunk_kernel and max(q_lens) > 1)
+            assert bool(meta.gather) == (not chunk_kernel and (max(q_lens) > 1 or not use_kernel))
             outs.append(paged_attention(q, k, v, copy.deepcopy(kv), meta, 64**-0.5).float())
-        assert (outs[0] - outs[1]).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 1e-5)
+        for out in outs[:2]:
+            assert (out - outs[2]).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
 def test_native_layer_ops_equal_the_pytorch_path():

@@ -81,7 +81,9 @@ class GatherPart:
     tokens: torch.Tensor  # [t] indices into the step's tokens
     block_tables: torch.Tensor  # [b, max_blocks]
     query_index: torch.Tensor  # [t] position of each token in the flattened [b * max_q] query pad
-    mask: torch.Tensor  # [b, 1, max_q, max_blocks * block_size], True where attention is allowed
+    # [b, 1, max_q, max_blocks * block_size], True where attention is allowed; None for whole prompts
+    # of max_q tokens each: plain causal, where SDPA skips the upper half
+    mask: torch.Tensor | None
     max_q: int
 
 
@@ -113,38 +115,40 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], block_size: int,
-              device: torch.device, use_kernel: bool) -> AttentionMetadata:
+              device: torch.device, use_kernel: bool, chunk_kernel: bool = True) -> AttentionMetadata:
+        """use_kernel: decode tokens to the native kernel; chunk_kernel: prompt chunks too (else they
+        take the PyTorch path)."""
         starts = torch.cumsum(torch.tensor([0] + q_lens[:-1]), 0).tolist()
         slots: list[int] = []
         for q_len, ctx, table in zip(q_lens, ctx_lens, block_tables):
             slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx - q_len, ctx)]
         slot_mapping = torch.tensor(slots, device=device)
-        if not use_kernel:
-            classes: dict[int, list[int]] = {}
-            for i in range(len(q_lens)):  # chunks padded only to the longest of their class, at most twice their length
-                classes.setdefault((q_lens[i] - 1).bit_length(), []).append(i)
-            gather = tuple(_gather_part([q_lens[i] for i in group], [ctx_lens[i] for i in group],
-                                        [block_tables[i] for i in group], [starts[i] for i in group], block_size,
-                                        device)
-                           for group in classes.values())
-            return cls(slot_mapping, gather, None)
-        decode = [i for i, q in enumerate(q_lens) if q == 1]
-        chunked = [i for i, q in enumerate(q_lens) if q > 1]
+        decode = [i for i, q in enumerate(q_lens) if q == 1] if use_kernel else []
+        rest = [i for i, q in enumerate(q_lens) if not (use_kernel and q == 1)]
         kernel = chunks = None
+        gather: tuple[GatherPart, ...] = ()
         if decode:
             kernel = KernelPart(
                 tokens=torch.tensor([starts[i] for i in decode], device=device),
                 block_tables=_pad([block_tables[i] for i in decode]).to(device),
                 positions=torch.tensor([ctx_lens[i] - 1 for i in decode], device=device),
             )
-        if chunked:
+        if rest and use_kernel and chunk_kernel:
             chunks = ChunkPart(
-                tokens=torch.cat([torch.arange(starts[i], starts[i] + q_lens[i]) for i in chunked]).to(device),
-                block_tables=_pad([block_tables[i] for i in chunked]).to(device),
-                query_starts=torch.cumsum(torch.tensor([0] + [q_lens[i] for i in chunked]), 0).to(device),
-                context_lens=torch.tensor([ctx_lens[i] for i in chunked], device=device),
+                tokens=torch.cat([torch.arange(starts[i], starts[i] + q_lens[i]) for i in rest]).to(device),
+                block_tables=_pad([block_tables[i] for i in rest]).to(device),
+                query_starts=torch.cumsum(torch.tensor([0] + [q_lens[i] for i in rest]), 0).to(device),
+                context_lens=torch.tensor([ctx_lens[i] for i in rest], device=device),
             )
-        return cls(slot_mapping, (), kernel, chunks)
+        elif rest:
+            classes: dict[int, list[int]] = {}
+            for i in rest:  # chunks padded only to the longest of their class, at most twice their length
+                classes.setdefault((q_lens[i] - 1).bit_length(), []).append(i)
+            gather = tuple(_gather_part([q_lens[i] for i in group], [ctx_lens[i] for i in group],
+                                        [block_tables[i] for i in group], [starts[i] for i in group], block_size,
+                                        device)
+                           for group in classes.values())
+        return cls(slot_mapping, gather, kernel, chunks)
 
 
 def _pad(tables: list[list[int]]) -> torch.Tensor:
@@ -168,8 +172,9 @@ def _gather_part(q_lens, ctx_lens, tables, starts, block_size, device) -> Gather
     mask |= (q_pos < 0)[:, :, None]  # padded query rows: any key, their output is dropped
     mask &= k_pos < ctx_t[:, None, None]
     query_index = seq_of_token * max_q + (max_q - q_lens_t[seq_of_token]) + offset_in_q
-    return GatherPart(tokens.to(device), block_tables.to(device), query_index.to(device), mask[:, None].to(device),
-                      max_q)
+    causal = all(q == max_q == ctx for q, ctx in zip(q_lens, ctx_lens))
+    return GatherPart(tokens.to(device), block_tables.to(device), query_index.to(device),
+                      None if causal else mask[:, None].to(device), max_q)
 
 
 def _gather_attention(q: torch.Tensor, kv: LayerKV, part: GatherPart, scale: float) -> torch.Tensor:
@@ -179,7 +184,8 @@ def _gather_attention(q: torch.Tensor, kv: LayerKV, part: GatherPart, scale: flo
     queries = q.new_zeros(batch * part.max_q, num_heads, head_dim)
     queries[part.query_index] = q
     queries = queries.view(batch, part.max_q, num_heads, head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=part.mask, scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=part.mask, is_causal=part.mask is None,
+                                         scale=scale, enable_gqa=True)
     return out.transpose(1, 2).reshape(batch * part.max_q, num_heads, head_dim)[part.query_index]
 
 
@@ -187,7 +193,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
                     scale: float) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H, D]."""
     kv.write(meta.slot_mapping, k, v)
-    if meta.kernel is not None and meta.chunks is None:  # pure decode: no reordering
+    if meta.kernel is not None and meta.chunks is None and not meta.gather:  # pure decode: no reordering
         return kernels.paged_attention(q, kv, meta.kernel.block_tables, meta.kernel.positions, scale)
     out = torch.empty_like(q)
     if meta.kernel is not None:

@@ -6,6 +6,7 @@ import warnings
 
 import torch
 
+from ..cpu import bf16_native
 from . import kernels
 from .attention import AttentionMetadata, LayerKV
 from .config import EngineConfig
@@ -67,8 +68,6 @@ def pick_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
         return DTYPES[name], "asked"
     if device.type == "cuda":
         return (torch.bfloat16, "CUDA bf16") if torch.cuda.is_bf16_supported() else (torch.float16, "CUDA fp16")
-    from ..cpu import bf16_native
-
     isa = bf16_native()
     return (torch.bfloat16, f"auto: {isa}") if isa else (torch.float32, "auto: no native bf16 on this CPU")
 
@@ -107,6 +106,9 @@ class ModelRunner:
         ]
         cache_dtype = self.kv_caches[0].data.dtype
         self.use_kernel = config.attention != "torch" and kernels.available(self.device, cache_dtype, cfg.head_dim)
+        # Prompt chunks in bf16 on a CPU with working AMX go to SDPA over their gathered context:
+        # its GEMMs run on oneDNN's AMX tiles, faster than the chunk kernel's float32 multiply-adds.
+        self.chunk_kernel = not (cache_dtype == torch.bfloat16 and bf16_native() == "AMX-BF16")
         if config.attention == "native" and not self.use_kernel:
             raise ValueError(f"the native attention kernel does not serve {self.device} / {cache_dtype} / "
                              f"head_dim {cfg.head_dim} here")
@@ -137,7 +139,7 @@ class ModelRunner:
                 logits_index.append(len(input_ids) - 1)
                 done.append(seq)
         meta = AttentionMetadata.build(batch.num_new_tokens, ctx_lens, [s.block_table for s in batch.seqs],
-                                       self.block_size, self.device, self.use_kernel)
+                                       self.block_size, self.device, self.use_kernel, self.chunk_kernel)
         logits = self.model(
             torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
             self.kv_caches, meta, torch.tensor(logits_index, dtype=torch.long, device=self.device),
