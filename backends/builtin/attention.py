@@ -7,11 +7,13 @@ to their slots. Then two paths read the cache, one call each per layer:
 
 - with the native kernels, decode tokens (one new token in their sequence) go to
   `csrc/paged_attention.cpp` and prompt chunks to `csrc/chunk_attention.cpp`, both reading the
-  blocks in place: no gather, no padding, and a chunk attends only its causal half;
+  blocks in place: no gather, no padding, and a chunk attends only its causal half (but bf16
+  chunks on a CPU with working AMX take the PyTorch path, whose SDPA runs on AMX tiles);
 - without them (`--attention torch`, or where they cannot be built) every token goes to the
   PyTorch path: each sequence's context is gathered through its block table into a padded
   batch and attended with one SDPA call under a causal mask aligned bottom-right (a chunk that
-  follows cached tokens sees all of them) that also hides padding. Chunks are grouped by length
+  follows cached tokens sees all of them) that also hides padding, or plainly causal where a class
+  holds only whole prompts of one length (SDPA then skips the upper half). Chunks are grouped by length
   (one call per power-of-two class), so a 32-token suffix that hit the prefix cache is not
   padded to a 544-token prompt beside it. It is the reference the kernels are tested against.
 """
