@@ -2,8 +2,8 @@
 // (each of which costs more to dispatch than to compute at a decode step's few rows), for float32
 // and bf16 activations. In bf16 every result is rounded where PyTorch's bf16 operators round it,
 // so the outputs are those of the model's PyTorch path (the tests hold them to it), but for
-// RMSNorm's sum of squares, added in another order: a bf16 ulp now and then; in float32 the
-// same order and the compiler's fused multiply-adds move the last bit or two.
+// RMSNorm's sum of squares, added in another order: a bf16 ulp now and then. In float32 nothing
+// is rounded between steps; that order and the compiler's fused multiply-adds move a last bit.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -14,8 +14,10 @@
 
 using at::BFloat16;
 
+// x stored as scalar_t (bf16: to nearest even). Through a function, not a temporary of the type:
+// GCC vectorizes no loop that copies a bf16 temporary, and the sum of squares then changes order.
 template <typename scalar_t>
-static inline scalar_t narrowed(float x) { return scalar_t(x); }  // bf16: to nearest even
+static inline scalar_t narrowed(float x) { return scalar_t(x); }
 
 // x as PyTorch's operators on scalar_t leave an intermediate: rounded to bf16, or kept in float32.
 template <typename scalar_t>
@@ -25,7 +27,8 @@ static inline float rounded(float x) {
 }
 
 static void check(const torch::Tensor& t, at::ScalarType dtype, const char* op) {
-  TORCH_CHECK(t.is_contiguous() && t.scalar_type() == dtype, op, " takes contiguous tensors of one dtype, float32 or bf16");
+  TORCH_CHECK(t.is_contiguous() && t.scalar_type() == dtype, op,
+              " takes contiguous tensors of one dtype, float32 or bf16");
 }
 
 template <typename F>
@@ -50,7 +53,8 @@ static void add_rms_norm_rows(scalar_t* xs, scalar_t* rs, const scalar_t* w, int
       }
       const float inv = 1.f / std::sqrt(squares / dim + eps);
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) xr[d] = narrowed<scalar_t>(static_cast<float>(w[d]) * rounded<scalar_t>(static_cast<float>(rr[d]) * inv));
+      for (int64_t d = 0; d < dim; ++d)
+        xr[d] = narrowed<scalar_t>(static_cast<float>(w[d]) * rounded<scalar_t>(static_cast<float>(rr[d]) * inv));
     }
   });
 }
@@ -103,7 +107,9 @@ static inline __m512 rounded16(const float*, __m512 v) { return v; }
 #endif
 #if defined(__AVX512BF16__)
 static inline __m512 widen(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
-static inline __m512 load16(const BFloat16* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+static inline __m512 load16(const BFloat16* p) {
+  return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 static inline void store16(BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));  // to nearest even
 }
@@ -138,8 +144,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
           const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.f);
           for (; i + 16 <= inner; i += 16) {
             const __m512 x = load16(g + i), e = exp512_nonpositive(_mm512_sub_ps(zero, _mm512_abs_ps(x)));
-            const __m512 sigmoid = _mm512_div_ps(_mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ), one, e),
-                                                 _mm512_add_ps(one, e));
+            const __m512 numerator = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ), one, e);
+            const __m512 sigmoid = _mm512_div_ps(numerator, _mm512_add_ps(one, e));
             store16(ot + i, _mm512_mul_ps(rounded16(g, _mm512_mul_ps(x, sigmoid)), load16(u + i)));
           }
         }
