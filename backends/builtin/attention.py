@@ -167,16 +167,17 @@ def _gather_part(q_lens, ctx_lens, tables, starts, block_size, device) -> Gather
     seq_of_token = torch.repeat_interleave(torch.arange(batch), q_lens_t)
     offset_in_q = torch.cat([torch.arange(q) for q in q_lens])
     tokens = torch.tensor(starts)[seq_of_token] + offset_in_q
-    # Query row r of sequence b sits at absolute position ctx - max_q + r (bottom-right aligned).
-    q_pos = ctx_t[:, None] - max_q + torch.arange(max_q)[None, :]
-    k_pos = torch.arange(block_tables.shape[1] * block_size)[None, None, :]
-    mask = k_pos <= q_pos[:, :, None]
-    mask |= (q_pos < 0)[:, :, None]  # padded query rows: any key, their output is dropped
-    mask &= k_pos < ctx_t[:, None, None]
     query_index = seq_of_token * max_q + (max_q - q_lens_t[seq_of_token]) + offset_in_q
-    causal = all(q == max_q == ctx for q, ctx in zip(q_lens, ctx_lens))
-    return GatherPart(tokens.to(device), block_tables.to(device), query_index.to(device),
-                      None if causal else mask[:, None].to(device), max_q)
+    mask = None  # whole prompts of max_q tokens each: plain causal
+    if not all(q == max_q == ctx for q, ctx in zip(q_lens, ctx_lens)):
+        # Query row r of sequence b sits at absolute position ctx - max_q + r (bottom-right aligned).
+        q_pos = ctx_t[:, None] - max_q + torch.arange(max_q)[None, :]
+        k_pos = torch.arange(block_tables.shape[1] * block_size)[None, None, :]
+        mask = k_pos <= q_pos[:, :, None]
+        mask |= (q_pos < 0)[:, :, None]  # padded query rows: any key, their output is dropped
+        mask &= k_pos < ctx_t[:, None, None]
+        mask = mask[:, None].to(device)
+    return GatherPart(tokens.to(device), block_tables.to(device), query_index.to(device), mask, max_q)
 
 
 def _gather_attention(q: torch.Tensor, kv: LayerKV, part: GatherPart, scale: float) -> torch.Tensor:

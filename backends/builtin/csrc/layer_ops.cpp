@@ -39,32 +39,30 @@ static void dispatch(const torch::Tensor& t, const char* op, F&& body) {
 }
 
 // residual = x + residual; x = weight * rms_norm(residual), both in place ([T, hidden]).
-template <typename scalar_t>
-static void add_rms_norm_rows(scalar_t* xs, scalar_t* rs, const scalar_t* w, int64_t rows, int64_t dim, float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      scalar_t* xr = xs + t * dim;
-      scalar_t* rr = rs + t * dim;
-      float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t d = 0; d < dim; ++d) {
-        rr[d] = narrowed<scalar_t>(static_cast<float>(xr[d]) + static_cast<float>(rr[d]));
-        squares += static_cast<float>(rr[d]) * static_cast<float>(rr[d]);
-      }
-      const float inv = 1.f / std::sqrt(squares / dim + eps);
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d)
-        xr[d] = narrowed<scalar_t>(static_cast<float>(w[d]) * rounded<scalar_t>(static_cast<float>(rr[d]) * inv));
-    }
-  });
-}
-
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
   for (const auto* t : {&x, &residual, &weight}) check(*t, x.scalar_type(), "add_rms_norm");
   dispatch(x, "add_rms_norm", [&](auto tag) {
     using scalar_t = decltype(tag);
-    add_rms_norm_rows(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), x.size(0),
-                      x.size(1), static_cast<float>(eps));
+    const int64_t rows = x.size(0), dim = x.size(1);
+    scalar_t* xs = x.data_ptr<scalar_t>();
+    scalar_t* rs = residual.data_ptr<scalar_t>();
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        scalar_t* xr = xs + t * dim;
+        scalar_t* rr = rs + t * dim;
+        float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t d = 0; d < dim; ++d) {
+          rr[d] = narrowed<scalar_t>(static_cast<float>(xr[d]) + static_cast<float>(rr[d]));
+          squares += static_cast<float>(rr[d]) * static_cast<float>(rr[d]);
+        }
+        const float inv = 1.f / std::sqrt(squares / dim + static_cast<float>(eps));
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d)
+          xr[d] = narrowed<scalar_t>(static_cast<float>(w[d]) * rounded<scalar_t>(static_cast<float>(rr[d]) * inv));
+      }
+    });
   });
 }
 
