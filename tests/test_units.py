@@ -8,6 +8,7 @@ import torch
 from backends.builtin.detokenizer import Detokenizer
 from backends.builtin.models.llama import LlamaConfig, RMSNorm, rope_inv_freq, rotate_half
 from backends.builtin.sampler import _filtered
+from backends.cpu import bf16_native
 
 
 @pytest.mark.parametrize("scaling", [
@@ -148,6 +149,37 @@ def test_native_layer_ops_in_float32_stay_within_float32_rounding():
     torch.testing.assert_close(got[0], want[0], rtol=4e-6, atol=1e-6)
     for got, want in rotary_and_silu(ops, torch.float32):
         torch.testing.assert_close(got, want, rtol=4e-6, atol=1e-6)
+
+
+def test_native_bf16_linear_rounds_float32_sums_once():
+    """The native bf16 GEMM (AVX512-BF16): exact products, float32 sums, one rounding to bf16, as
+    oneDNN's; rows in groups of 8 and items of up to 256, columns in blocks of 16 and items of 6."""
+    from backends.builtin import kernels
+    from backends.builtin.model_runner import PackedLinear, PairedLinear
+
+    ops = kernels._load()
+    assert ops is not None, kernels._failed
+    if not ops.bf16_linear_native():
+        pytest.skip("this CPU has no AVX512-BF16: bf16 Linears stay on oneDNN here")
+    chosen = kernels.bf16_linear(torch.device("cpu"), torch.bfloat16)
+    assert (chosen is not None) == (bf16_native() == "AVX512-BF16")  # AMX keeps oneDNN's tiles
+    assert kernels.bf16_linear(torch.device("cpu"), torch.float32) is None
+    torch.manual_seed(0)
+    for rows in (0, 1, 7, 9, 16, 40, 300):
+        for outputs, inputs, bias in ((960, 576, False), (48, 34, True), (208, 10, False)):
+            linear = torch.nn.Linear(inputs, outputs, bias=bias).bfloat16()
+            x = torch.randn(rows, inputs).bfloat16() * 3
+            got = PairedLinear(linear, ops)(x)
+            assert got.shape == (rows, outputs) and got.dtype == torch.bfloat16
+            exact = torch.nn.functional.linear(x.double(), linear.weight.double(),
+                                               None if linear.bias is None else linear.bias.double())
+            # half a bf16 ulp for the rounding, and float32's for sums over `inputs` terms
+            magnitude = torch.nn.functional.linear(x.double().abs(), linear.weight.double().abs())
+            assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + magnitude * inputs * 2**-24).all()
+            onednn = PackedLinear(linear)(x)
+            assert ((got.float() - onednn.float()).abs() <= onednn.float().abs() * 2**-7).all()
+    with pytest.raises(RuntimeError, match=r"laid out \[N/16, K/2, 16, 2\] for K = 576"):
+        ops.bf16_linear(torch.zeros(2, 576).bfloat16(), torch.zeros(60, 16, 288, 2).bfloat16())
 
 
 def kernels_layer_ops(dtype):

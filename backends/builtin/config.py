@@ -35,8 +35,9 @@ class EngineConfig:
     kv_cache_dtype: Literal["auto", "int8"] = _help("auto: the model's dtype; int8: per-token, per-head scales.",
                                                     "auto")
     attention: Literal["auto", "native", "torch"] = _help(
-        "Native CPU kernels (attention of decode tokens and prompt chunks, the layers' element-wise ops; bf16 "
-        "chunks take SDPA where AMX runs): auto (where they build) | native | torch (PyTorch only, the reference).",
+        "Native CPU kernels (attention of decode tokens and prompt chunks, the layers' element-wise ops, bf16 "
+        "GEMMs on AVX512-BF16 without AMX; bf16 chunks take SDPA where AMX runs): auto (where they build) | "
+        "native | torch (PyTorch only, the reference).",
         "auto")
     cache_dir: str | None = _help("Converted-weights cache (default: ~/.cache/servegate).", None)
     engine_process: bool = _help("Step the engine in a process of its own (vLLM v1's engine-core split), "

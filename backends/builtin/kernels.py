@@ -1,7 +1,8 @@
 """The native CPU kernels, compiled on first use with `torch.utils.cpp_extension`: attention over
 the paged KV cache, of decode tokens (`csrc/paged_attention.cpp`) and of prompt chunks
-(`csrc/chunk_attention.cpp`), and a decoder layer's element-wise work (`csrc/layer_ops.cpp`:
-residual add + RMSNorm, rotary embedding, SiLU-and-multiply).
+(`csrc/chunk_attention.cpp`), a decoder layer's element-wise work (`csrc/layer_ops.cpp`:
+residual add + RMSNorm, rotary embedding, SiLU-and-multiply), and bf16 Linear layers for CPUs
+with AVX512-BF16 but no AMX (`csrc/bf16_linear.cpp`).
 
 The build (about 30 s on 2 cores, once per machine: torch caches it under
 ~/.cache/torch_extensions, under a name that carries the CPU's feature flags, since it is built
@@ -19,11 +20,12 @@ from pathlib import Path
 
 import torch
 
-from ..cpu import cpu_flags
+from ..cpu import bf16_native, cpu_flags
 
 log = logging.getLogger("servegate.kernels")
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [str(CSRC / name) for name in ("paged_attention.cpp", "chunk_attention.cpp", "layer_ops.cpp", "module.cpp")]
+SOURCES = [str(CSRC / name) for name in
+           ("paged_attention.cpp", "chunk_attention.cpp", "layer_ops.cpp", "bf16_linear.cpp", "module.cpp")]
 _lock = threading.Lock()
 _module = None
 _failed: str | None = None
@@ -93,3 +95,12 @@ def chunk_attention(q: torch.Tensor, kv, block_tables: torch.Tensor, query_start
 def layer_ops(device: torch.device, dtype: torch.dtype):
     """The fused element-wise ops where they serve (float32 and bf16 on the CPU), else None."""
     return _load() if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) else None
+
+
+def bf16_linear(device: torch.device, dtype: torch.dtype):
+    """The native bf16 GEMM where it serves: bf16 on a CPU whose bf16 multiply is AVX512-BF16
+    (where AMX runs, oneDNN's tiles are faster), else None."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or bf16_native() != "AVX512-BF16":
+        return None
+    module = _load()
+    return module if module is not None and module.bf16_linear_native() else None

@@ -46,18 +46,38 @@ class PackedLinear(torch.nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
-def prepacked(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """bf16 and float32 on the CPU: every Linear packed for oneDNN (float32 sums in another order
-    than MKL's, about 1e-4 apart at most, as vLLM's CPU build computes them). float64, the tests'
-    reference dtype, as it is."""
+class PairedLinear(torch.nn.Module):
+    """A bf16 Linear on the native GEMM (`csrc/bf16_linear.cpp`), its weight laid out once in
+    pairs of input features for VDPBF16PS: on AVX512-BF16 without AMX, faster than oneDNN's at
+    every row count a step has (one weight read per step where it holds the rows)."""
+
+    def __init__(self, linear: torch.nn.Linear, ops) -> None:
+        super().__init__()
+        n, k = linear.weight.shape
+        self.weight = linear.weight.detach().view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
+        self.bias = linear.bias
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.bf16_linear(x, self.weight, self.bias)
+
+
+def prepacked(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, native: bool) -> torch.nn.Module:
+    """bf16 and float32 on the CPU: every Linear laid out once for the GEMM that serves it, the
+    native bf16 one where it is built for this CPU, else oneDNN's (float32 sums in another order
+    than MKL's, about 1e-4 apart at most, as vLLM's CPU build computes them); `native`: whether the
+    native kernels may serve. float64, the tests' reference dtype, as it is."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return model
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return model  # oneDNN's bf16 needs AVX-512 at least: a bf16 model asked for on an AVX2 CPU is left as it is
+    gemm = kernels.bf16_linear(device, dtype) if native else None
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             if type(child) is torch.nn.Linear:
-                setattr(parent, name, PackedLinear(child))
+                n, k = child.weight.shape
+                paired = gemm is not None and n % 16 == 0 and k % 2 == 0
+                setattr(parent, name, PairedLinear(child, gemm) if paired else PackedLinear(child))
     return model
 
 
@@ -94,7 +114,7 @@ class ModelRunner:
             model.lm_head.weight = model.model.embed_tokens.weight
         model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model = quantized(model, config.weight_quant, self.device) if config.weight_quant != "none" else \
-            prepacked(model, self.dtype, self.device)
+            prepacked(model, self.dtype, self.device, native=config.attention != "torch")
         self.model.inv_freq = rope_inv_freq(cfg).to(self.device)  # kept in fp32, as the reference does
         if config.weight_quant == "none" and config.attention != "torch":
             self.model.ops = kernels.layer_ops(self.device, self.dtype)

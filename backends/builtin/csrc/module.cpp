@@ -9,6 +9,8 @@ torch::Tensor chunk_attention(torch::Tensor query, torch::Tensor key_cache, torc
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rotary(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t kv_heads);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+bool bf16_linear_native();
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Exact attention over a paged KV cache (CPU)");
@@ -16,4 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rms_norm(residual), in place (float32 or bf16)");
   m.def("rotary", &rotary, "Rotary embedding of qkv's query and key heads, in place (float32 or bf16)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up (float32 or bf16)");
+  m.def("bf16_linear_native", &bf16_linear_native, "Whether bf16_linear was built with AVX512-BF16");
+  m.def("bf16_linear", &bf16_linear, "x @ w^T + b in bf16, w laid out [N/16, K/2, 16, 2] (AVX512-BF16)",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
 }
