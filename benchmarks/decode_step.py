@@ -3,8 +3,9 @@
 The bound is what any exact implementation must do for one decode step: the model's weight
 GEMMs at batch B, plus one exact attention pass over the same KV laid out contiguously.
 Usage: python benchmarks/decode_step.py [--batch 32] [--context 512] [--steps 20] [--attention auto|native|torch]
-       [--weight-quant none|int8] [--dtype auto|float32|bfloat16] [--profile]
---profile prints where a decode step's time goes, by operator (torch.profiler).
+       [--weight-quant none|int8] [--dtype auto|float32|bfloat16] [--profile] [--onednn]
+--profile prints where a decode step's time goes, by operator (torch.profiler); --onednn keeps
+bf16 Linears on oneDNN where the native GEMM would serve them (to compare the two).
 """
 
 from __future__ import annotations
@@ -105,7 +106,12 @@ def main() -> None:
     parser.add_argument("--weight-quant", default="none", help="none | int8 (the bound then uses int8 GEMMs too)")
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
     parser.add_argument("--profile", action="store_true", help="the top operators of the timed steps")
+    parser.add_argument("--onednn", action="store_true", help="bf16 Linears on oneDNN, not the native GEMM")
     args = parser.parse_args()
+    if args.onednn:
+        from backends.builtin import kernels
+
+        kernels.bf16_linear = lambda device, dtype: None  # the runner then prepacks every Linear for oneDNN
     engine = LLMEngine(EngineConfig(kv_cache_tokens=args.batch * (args.context + args.steps + 32),
                                     attention=args.attention, weight_quant=args.weight_quant, dtype=args.dtype))
     if args.profile:
@@ -117,7 +123,9 @@ def main() -> None:
     gemm, attention = bound_ms(engine, args.batch, args.context, args.steps)
     bound = gemm + attention
     kind = "native kernel" if engine.runner.use_kernel else "PyTorch gather + SDPA"
-    print(f"decode step ({kind}, {engine.runner.dtype}), batch {args.batch}, context {args.context}: {step:.1f} ms")
+    linears = type(engine.runner.model.lm_head).__name__  # PairedLinear: the native bf16 GEMM
+    print(f"decode step ({kind}, {engine.runner.dtype}, {linears}), batch {args.batch}, context {args.context}: "
+          f"{step:.1f} ms")
     print(f"bound: bare GEMMs {gemm:.1f} ms + contiguous attention {attention:.1f} ms = {bound:.1f} ms")
     print(f"ratio: {step / bound:.2f}x")
     kernel = kernel_ms(engine, args.batch, args.context, args.steps)

@@ -48,8 +48,8 @@ class PackedLinear(torch.nn.Module):
 
 class PairedLinear(torch.nn.Module):
     """A bf16 Linear on the native GEMM (`csrc/bf16_linear.cpp`), its weight laid out once in
-    pairs of input features for VDPBF16PS: on AVX512-BF16 without AMX, faster than oneDNN's at
-    every row count a step has (one weight read per step where it holds the rows)."""
+    pairs of input features for VDPBF16PS: on AVX512-BF16 without AMX, 1.1-1.8x faster than
+    oneDNN's at decode's 1 to 64 rows (AMD EPYC Zen 4), 2-7% slower at a prompt's hundreds."""
 
     def __init__(self, linear: torch.nn.Linear, ops) -> None:
         super().__init__()
@@ -59,7 +59,7 @@ class PairedLinear(torch.nn.Module):
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.bf16_linear(x, self.weight, self.bias)
+        return self.ops.bf16_linear(x.contiguous(), self.weight, self.bias)
 
 
 def prepacked(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, native: bool) -> torch.nn.Module:
