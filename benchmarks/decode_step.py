@@ -75,7 +75,9 @@ def decode_step_ms(engine: LLMEngine, batch: int, context: int, steps: int, arou
 
 def kernel_ms(engine: LLMEngine, batch: int, context: int, repeat: int) -> float | None:
     """The native paged-attention kernel alone over every layer's worth of one step: `batch` query
-    tokens with `context` keys each, in the engine's dtype; None where the kernel is off."""
+    tokens with `context` keys each, in the engine's dtype, each layer its own cache with its blocks
+    in a random order (one cache read 30 times would stay in the CPU's last-level cache); None where
+    the kernel is off."""
     from backends.builtin import kernels
     from backends.builtin.attention import LayerKV
 
@@ -83,15 +85,17 @@ def kernel_ms(engine: LLMEngine, batch: int, context: int, repeat: int) -> float
         return None
     cfg, block_size = engine.loaded.config, engine.config.block_size
     blocks = -(-context // block_size)
-    cache = LayerKV.allocate(batch * blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
-                             engine.runner.dtype, torch.device("cpu"), False)
-    cache.data.normal_()
-    tables = torch.arange(batch * blocks).view(batch, blocks)
+    caches = [LayerKV.allocate(batch * blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
+                               engine.runner.dtype, torch.device("cpu"), False)
+              for _ in range(cfg.num_hidden_layers)]
+    for cache in caches:
+        cache.data.normal_()
+    tables = torch.randperm(batch * blocks).view(batch, blocks)
     positions = torch.full((batch,), context - 1)
     q = torch.randn(batch, cfg.num_attention_heads, cfg.head_dim, dtype=engine.runner.dtype)
 
     def layers():
-        for _ in range(cfg.num_hidden_layers):
+        for cache in caches:
             kernels.paged_attention(q, cache, tables, positions, cfg.head_dim**-0.5)
 
     return min(timed(layers, repeat) for _ in range(5)) * 1000
