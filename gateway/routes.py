@@ -155,7 +155,9 @@ def deploy(session: Session, actor: str, alias: str, spec: RouteSpec, canary_sha
     return _out(route)
 
 
-def promote(session: Session, actor: str, alias: str) -> RouteOut:
+def promote(session: Session, actor: str, alias: str, reason: str = "") -> RouteOut:
+    """Make the canary the active version; a reason (the canary guard's) is written with it, in the
+    same transaction, so that no reader sees the promotion without it."""
     versions = _versions(session, alias)
     canary = _with_status(versions, "canary")
     if canary is None:
@@ -166,6 +168,8 @@ def promote(session: Session, actor: str, alias: str) -> RouteOut:
     canary.status, canary.spec = "active", {k: v for k, v in canary.spec.items() if k != "share"}
     session.add(canary)
     audit(session, actor, "route.promote", f"{alias}@{canary.version}", before, _json(canary))
+    if reason:
+        audit(session, actor, "route.promote.reason", f"{alias}@{canary.version}", None, {"reason": reason})
     session.commit()
     return _out(canary)
 
@@ -213,12 +217,11 @@ def end_canary(session: Session, actor: str, alias: str, version: int, reason: s
     if canary is None or canary.version != version:
         return False
     if action == "promote":
-        promote(session, actor, alias)
-        audit(session, actor, "route.promote.reason", f"{alias}@{version}", None, {"reason": reason})
+        promote(session, actor, alias, reason)
     else:
         _retire(session, actor, canary, "route.rollback.canary")
         _note(session, actor, alias, version, reason)
-    session.commit()
+        session.commit()
     return True
 
 
