@@ -4,7 +4,7 @@ the paged KV cache, of decode tokens (`csrc/paged_attention.cpp`) and of prompt 
 residual add + RMSNorm, rotary embedding, SiLU-and-multiply), and bf16 Linear layers for CPUs
 with AVX512-BF16 but no AMX (`csrc/bf16_linear.cpp`).
 
-The build (about 30 s on 2 cores, once per machine: torch caches it under
+The build (about 80 s on 2 cores, once per machine: torch caches it under
 ~/.cache/torch_extensions, under a name that carries the CPU's feature flags, since it is built
 for `-march=native`) needs a C++ compiler; its progress is logged every 10 s. Where it fails,
 `available()` says no, the reason is logged, and the engine keeps to the pure-PyTorch path.
@@ -62,7 +62,7 @@ def _load():
 
 def _report_progress(started: float, done: threading.Event) -> None:
     while not done.wait(10):
-        log.info("compiling the native CPU kernels: %.0f s so far (once per machine, about 30 s; "
+        log.info("compiling the native CPU kernels: %.0f s so far (once per machine, about 80 s; "
                  "needs a C++ compiler)", time.monotonic() - started)
 
 
