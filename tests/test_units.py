@@ -104,20 +104,23 @@ def test_native_kernel_equals_the_pytorch_path(dtype, kv_dtype):
         tokens = sum(q_lens)
         q, k, v = (torch.randn(tokens, h, 64).to(dtype) for h in (9, 3, 3))
         outs = []
-        # both kernels; the decode kernel with chunks on the PyTorch path (bf16 on AMX); the PyTorch path alone
-        for use_kernel, chunk_kernel in ((True, True), (True, False), (False, False)):
+        # both kernels (the chunk kernel where AVX-512 builds it); the decode kernel with chunks on the
+        # PyTorch path (AVX2, bf16 on AMX); the PyTorch path alone
+        paths = ((True, True),) if kernels._load().chunk_attention_native() else ()
+        for use_kernel, chunk_kernel in (*paths, (True, False), (False, False)):
             meta = AttentionMetadata.build(q_lens, ctx, tables, 16, torch.device("cpu"), use_kernel, chunk_kernel)
             assert (meta.kernel is not None) == (use_kernel and 1 in q_lens)
             assert (meta.chunks is not None) == (chunk_kernel and max(q_lens) > 1)
             assert bool(meta.gather) == (not chunk_kernel and (max(q_lens) > 1 or not use_kernel))
             outs.append(paged_attention(q, k, v, copy.deepcopy(kv), meta, 64**-0.5).float())
-        for out in outs[:2]:
-            assert (out - outs[2]).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 1e-5)
+        for out in outs[:-1]:
+            assert (out - outs[-1]).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
 def test_native_layer_ops_equal_the_pytorch_path():
     """The fused bf16 ops round where PyTorch's operators round: the same bf16 values, but for
-    RMSNorm's sum of squares, added in another order (a bf16 ulp, rarely)."""
+    RMSNorm's sum of squares, added in another order (a bf16 ulp, rarely: the order follows the
+    vector width, and AVX2's 8 lanes differ on 0.9-1.4e-4 of the values, AVX-512's on fewer)."""
     ops = kernels_layer_ops(torch.bfloat16)
     torch.manual_seed(0)
     norm = RMSNorm(576, 1e-5).bfloat16()
@@ -128,11 +131,11 @@ def test_native_layer_ops_equal_the_pytorch_path():
         got = norm(x.clone(), residual.clone(), ops)
         assert torch.equal(got[1], want[1])  # the residual stream: exact
         differ = got[0] != want[0]
-        assert differ.float().mean() < 1e-4
+        assert differ.float().mean() < 3e-4
         # an ulp of the normalized value, then the weight's rounding: within 2^-6 of the value
         assert ((got[0].float() - want[0].float()).abs() <= want[0].float().abs() * 2**-6).all()
     first = norm(x.clone(), None, ops)  # the first layer: no residual yet
-    assert torch.equal(first[1], x) and (first[0] != norm(x.clone(), None, None)[0]).float().mean() < 1e-4
+    assert torch.equal(first[1], x) and (first[0] != norm(x.clone(), None, None)[0]).float().mean() < 3e-4
     for got, want in rotary_and_silu(ops, torch.bfloat16):
         assert torch.equal(got, want)
 

@@ -85,6 +85,16 @@ def paged_attention(q: torch.Tensor, kv, block_tables: torch.Tensor, positions: 
     return _attend(_load().paged_attention, q, kv, block_tables, positions, scale)
 
 
+def chunk_kernel_serves(dtype: torch.dtype) -> bool:
+    """Whether prompt chunks of this cache dtype go to the chunk kernel rather than to SDPA over
+    their gathered context. The kernel is built where AVX-512 is (on AVX2 SDPA's GEMMs are 1.5-2x
+    faster than a portable form of it); bf16 chunks on a CPU with working AMX take SDPA, whose
+    GEMMs run on AMX tiles, faster than the kernel's float32 multiply-adds."""
+    module = _load()
+    amx_bf16 = dtype == torch.bfloat16 and bf16_native() == "AMX-BF16"
+    return module is not None and module.chunk_attention_native() and not amx_bf16
+
+
 def chunk_attention(q: torch.Tensor, kv, block_tables: torch.Tensor, query_starts: torch.Tensor,
                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [t, H, D], the chunks' tokens one chunk after another; one block table, start and

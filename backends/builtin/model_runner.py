@@ -126,9 +126,7 @@ class ModelRunner:
         ]
         cache_dtype = self.kv_caches[0].data.dtype
         self.use_kernel = config.attention != "torch" and kernels.available(self.device, cache_dtype, cfg.head_dim)
-        # Prompt chunks in bf16 on a CPU with working AMX go to SDPA over their gathered context:
-        # its GEMMs run on oneDNN's AMX tiles, faster than the chunk kernel's float32 multiply-adds.
-        self.chunk_kernel = self.use_kernel and not (cache_dtype == torch.bfloat16 and bf16_native() == "AMX-BF16")
+        self.chunk_kernel = self.use_kernel and kernels.chunk_kernel_serves(cache_dtype)
         if config.attention == "native" and not self.use_kernel:
             raise ValueError(f"the native attention kernel does not serve {self.device} / {cache_dtype} / "
                              f"head_dim {cfg.head_dim} here")

@@ -7,7 +7,9 @@
 // float32), so each slot is widened once for all its rows and nothing is gathered or padded;
 // key tiles above a row's position are skipped. Where SDPA over a padded gather attends every
 // key under a mask, this does the causal half, and the largest items go first so the threads
-// finish together.
+// finish together. AVX-512 only: with AVX2's sixteen 8-lane registers a row's accumulators do
+// not stay in registers, and SDPA's GEMMs over the gathered context were 1.5-2x faster than a
+// portable form of this loop (AMD EPYC Zen 3), so there the engine takes SDPA.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -20,113 +22,31 @@
 
 #include "vec_exp.h"
 
-constexpr int64_t kTile = 16;  // query tokens of one item, and key slots of one step
-
-// exp of sixteen values <= 0, in place.
-static inline void exp16(float* x) {
+bool chunk_attention_native() {
 #if defined(__AVX512F__)
-  _mm512_storeu_ps(x, exp512_nonpositive(_mm512_loadu_ps(x)));
+  return true;
 #else
-#pragma omp simd
-  for (int64_t i = 0; i < kTile; ++i) x[i] = exp_nonpositive(x[i]);
+  return false;
 #endif
 }
+
+#if defined(__AVX512F__)
+constexpr int64_t kTile = 16;  // query tokens of one item, and half the key slots of one step
 
 struct Item {
   int64_t seq, kv_head, first, last;  // tokens first..last-1 of the chunk
   int64_t cost;                       // key tiles its rows visit
 };
 
+// One item, four rows at a time so that their accumulators stay in registers:
+// the item's keys and values are widened to float32 once (keys transposed, sixteen slots to a
+// vector), then each group of four rows walks them 32 keys a step, every key vector feeding four
+// rows, one softmax rescale a step; the sums stay in sixteen lanes until the end.
 template <typename scalar_t, int64_t D>
 static void attend_tile(const Item& item, const float* query, const scalar_t* key_cache, const scalar_t* value_cache,
                         const float* k_scales, const float* v_scales, const int64_t* table, int64_t chunk_start,
                         int64_t first_position, int64_t heads, int64_t kv_heads, int64_t block_size, float scale,
                         float* out) {
-  const int64_t group = heads / kv_heads, slot_stride = kv_heads * D, g = item.kv_head;
-  const int64_t rows = (item.last - item.first) * group;  // row = token * group + head within the group
-  std::vector<float> q(rows * D), acc(rows * D, 0.f), max(rows, -std::numeric_limits<float>::infinity()),
-      sum(rows, 0.f);
-  for (int64_t t = item.first; t < item.last; ++t)
-    for (int64_t h = 0; h < group; ++h) {
-      const float* src = query + ((chunk_start + t) * heads + g * group + h) * D;
-      float* dst = q.data() + ((t - item.first) * group + h) * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * scale;
-    }
-  alignas(64) float keys[D][kTile];  // the tile's keys, transposed: one vector of 16 slots per dimension
-  alignas(64) float values[kTile][D];
-  alignas(64) float s[kTile];
-  const int64_t last_position = first_position + item.last - 1;
-  for (int64_t j0 = 0; j0 <= last_position; j0 += kTile) {
-    const int64_t n = std::min(kTile, last_position + 1 - j0);
-    for (int64_t i = 0; i < kTile; ++i) {
-      const int64_t j = j0 + std::min(i, n - 1);  // past the end: a repeat, masked below
-      const int64_t slot = table[j / block_size] * block_size + j % block_size;
-      const scalar_t* k = key_cache + slot * slot_stride + g * D;
-      const scalar_t* v = value_cache + slot * slot_stride + g * D;
-      const float ks = k_scales ? k_scales[slot * kv_heads + g] : 1.f;
-      const float vs = v_scales ? v_scales[slot * kv_heads + g] : 1.f;
-      for (int64_t d = 0; d < D; ++d) keys[d][i] = static_cast<float>(k[d]) * ks;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) values[i][d] = static_cast<float>(v[d]) * vs;
-    }
-    for (int64_t row = 0; row < rows; ++row) {
-      const int64_t position = first_position + item.first + row / group;
-      if (j0 > position) continue;  // the whole tile is in this row's future
-      const int64_t visible = std::min(n, position + 1 - j0);
-      const float* qr = q.data() + row * D;
-      float part[4][kTile] = {};  // four partial sums: one accumulator would chain every multiply-add
-      for (int64_t d = 0; d < D; d += 4)
-        for (int64_t k = 0; k < 4; ++k)
-#pragma omp simd
-          for (int64_t i = 0; i < kTile; ++i) part[k][i] += qr[d + k] * keys[d + k][i];
-      float tile_max = -std::numeric_limits<float>::infinity();
-      for (int64_t i = 0; i < kTile; ++i) {
-        s[i] = (part[0][i] + part[1][i]) + (part[2][i] + part[3][i]);
-        if (i < visible) tile_max = std::max(tile_max, s[i]);
-      }
-      const float new_max = std::max(max[row], tile_max);
-      const float rescale = exp_nonpositive(max[row] - new_max);  // 0 on the first tile (-inf)
-      max[row] = new_max;
-#pragma omp simd
-      for (int64_t i = 0; i < kTile; ++i) s[i] -= new_max;
-      exp16(s);
-      float tile_sum = 0.f;
-      for (int64_t i = 0; i < kTile; ++i) {
-        if (i >= visible) s[i] = 0.f;
-        tile_sum += s[i];
-      }
-      sum[row] = sum[row] * rescale + tile_sum;
-      float o[D];
-      float* ar = acc.data() + row * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) o[d] = ar[d] * rescale;
-      for (int64_t i = 0; i < visible; ++i)
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) o[d] += s[i] * values[i][d];
-      std::copy(o, o + D, ar);
-    }
-  }
-  for (int64_t t = item.first; t < item.last; ++t)
-    for (int64_t h = 0; h < group; ++h) {
-      const int64_t row = (t - item.first) * group + h;
-      const float inv = 1.f / sum[row];
-      float* dst = out + ((chunk_start + t) * heads + g * group + h) * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) dst[d] = acc[row * D + d] * inv;
-    }
-}
-
-#if defined(__AVX512F__)
-// The same item with AVX-512, four rows at a time so that their accumulators stay in registers:
-// the item's keys and values are widened to float32 once (keys transposed, sixteen slots to a
-// vector), then each group of four rows walks them 32 keys a step, every key vector feeding four
-// rows, one softmax rescale a step; the sums stay in sixteen lanes until the end.
-template <typename scalar_t, int64_t D>
-static void attend_tile_avx512(const Item& item, const float* query, const scalar_t* key_cache,
-                               const scalar_t* value_cache, const float* k_scales, const float* v_scales,
-                               const int64_t* table, int64_t chunk_start, int64_t first_position, int64_t heads,
-                               int64_t kv_heads, int64_t block_size, float scale, float* out) {
   constexpr int64_t kRows = 4, kVecs = D / 16, kStep = 2 * kTile;
   const int64_t group = heads / kv_heads, slot_stride = kv_heads * D, g = item.kv_head;
   const int64_t rows = (item.last - item.first) * group;
@@ -225,6 +145,9 @@ static void attend_tile_avx512(const Item& item, const float* query, const scala
 torch::Tensor chunk_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                               torch::Tensor scales, torch::Tensor block_tables, torch::Tensor query_starts,
                               torch::Tensor context_lens, double scale) {
+#if !defined(__AVX512F__)
+  TORCH_CHECK(false, "the chunk attention kernel is built for AVX-512 only (chunk_attention_native())");
+#else
   TORCH_CHECK(query.dtype() == torch::kFloat32 && query.is_contiguous(), "query must be contiguous float32");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_tables.dtype() == torch::kInt64 && query_starts.dtype() == torch::kInt64 &&
@@ -256,11 +179,7 @@ torch::Tensor chunk_attention(torch::Tensor query, torch::Tensor key_cache, torc
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   auto run = [&](auto* kc, auto* vc) {
     using scalar_t = std::remove_const_t<std::remove_pointer_t<decltype(kc)>>;
-#if defined(__AVX512F__)
-    auto one = head_dim == 64 ? attend_tile_avx512<scalar_t, 64> : attend_tile_avx512<scalar_t, 128>;
-#else
     auto one = head_dim == 64 ? attend_tile<scalar_t, 64> : attend_tile<scalar_t, 128>;
-#endif
     std::atomic<int64_t> next{0};  // each thread takes the next largest item left
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
       for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(items.size());) {
@@ -279,4 +198,5 @@ torch::Tensor chunk_attention(torch::Tensor query, torch::Tensor key_cache, torc
     });
   }
   return out;
+#endif
 }

@@ -3,6 +3,7 @@
 
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                               torch::Tensor scales, torch::Tensor block_tables, torch::Tensor positions, double scale);
+bool chunk_attention_native();
 torch::Tensor chunk_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                               torch::Tensor scales, torch::Tensor block_tables, torch::Tensor query_starts,
                               torch::Tensor context_lens, double scale);
@@ -14,6 +15,7 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight, c10::optional<t
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Exact attention over a paged KV cache (CPU)");
+  m.def("chunk_attention_native", &chunk_attention_native, "Whether chunk_attention was built (AVX-512)");
   m.def("chunk_attention", &chunk_attention, "Causal attention of prompt chunks over a paged KV cache (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rms_norm(residual), in place (float32 or bf16)");
   m.def("rotary", &rotary, "Rotary embedding of qkv's query and key heads, in place (float32 or bf16)");
