@@ -98,16 +98,16 @@ def test_native_kernel_equals_the_pytorch_path(dtype, kv_dtype):
     assert kernels.available(torch.device("cpu"), kv.data.dtype, 64), kernels._failed
     tables = [[3, 7, 9, 11, 20], [1, 2], [30, 31, 32], [40]]
     ctx = [70, 20, 40, 1]
+    # both kernels (the chunk kernel where AVX-512 builds it); the decode kernel with chunks on the
+    # PyTorch path (AVX2, bf16 on AMX); the PyTorch path alone
+    paths = (((True, True),) if kernels._load().chunk_attention_native() else ()) + ((True, False), (False, False))
     # decode only, mixed, short chunks only; chunks over several 16-token tiles: after cached
     # tokens (40 of 70, 39 of 40), a whole prompt (20 of 20)
     for q_lens in ([1, 1, 1, 1], [1, 5, 1, 1], [3, 5, 2, 1], [40, 20, 39, 1]):
         tokens = sum(q_lens)
         q, k, v = (torch.randn(tokens, h, 64).to(dtype) for h in (9, 3, 3))
         outs = []
-        # both kernels (the chunk kernel where AVX-512 builds it); the decode kernel with chunks on the
-        # PyTorch path (AVX2, bf16 on AMX); the PyTorch path alone
-        paths = ((True, True),) if kernels._load().chunk_attention_native() else ()
-        for use_kernel, chunk_kernel in (*paths, (True, False), (False, False)):
+        for use_kernel, chunk_kernel in paths:
             meta = AttentionMetadata.build(q_lens, ctx, tables, 16, torch.device("cpu"), use_kernel, chunk_kernel)
             assert (meta.kernel is not None) == (use_kernel and 1 in q_lens)
             assert (meta.chunks is not None) == (chunk_kernel and max(q_lens) > 1)

@@ -1,6 +1,6 @@
 """The native CPU kernels, compiled on first use with `torch.utils.cpp_extension`: attention over
 the paged KV cache, of decode tokens (`csrc/paged_attention.cpp`) and of prompt chunks
-(`csrc/chunk_attention.cpp`), a decoder layer's element-wise work (`csrc/layer_ops.cpp`:
+(`csrc/chunk_attention.cpp`, built with AVX-512 only), a decoder layer's element-wise work (`csrc/layer_ops.cpp`:
 residual add + RMSNorm, rotary embedding, SiLU-and-multiply), and bf16 Linear layers for CPUs
 with AVX512-BF16 but no AMX (`csrc/bf16_linear.cpp`).
 
