@@ -33,6 +33,25 @@ def default_model_dir() -> Path:
     return gguf_to_hf_dir(default_model_path())
 
 
+@pytest.fixture(scope="session")
+def vllm_url(default_model_dir):
+    """vLLM's CPU build serving the default model as `smollm2`, in float32, started once for the
+    run (its start takes minutes): the conformance target and the greedy-parity reference. Skips,
+    saying why, where its environment is not provisioned (`python -m backends.peers vllm`)."""
+    from backends import peers
+    from backends.launch import supervised
+
+    try:
+        peers.vllm_python()
+    except peers.PeerMissing as missing:
+        pytest.skip(str(missing))
+    url = f"http://127.0.0.1:{free_port()}"
+    command = peers.vllm_command(default_model_dir, int(url.rsplit(":", 1)[1]), "smollm2", max_model_len=2048,
+                                 dtype="float32")
+    with supervised(command, url, "/health", peers.vllm_env(), 900):
+        yield url
+
+
 @pytest.fixture
 def make_engine(default_model):
     """Engines on the default model (weights shared); every test's engines must end leak-free."""

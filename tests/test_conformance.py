@@ -6,7 +6,8 @@
   generic OpenAI adapter (its llama.cpp profile);
 - `llama-server`: llama.cpp's C++ server, built from the llama.cpp that llama-cpp-python vendors
   (`python -m backends.peers llama-server`), two slots with continuous batching;
-- `vllm`: vLLM's CPU build (`python -m backends.peers vllm`) on the default model;
+- `vllm`: vLLM's CPU build (`python -m backends.peers vllm`) on the default model, in float32: the
+  run's one vLLM server (conftest's `vllm_url`), shared with test_vllm_parity.py;
 - `tgi-protocol`: the TGI adapter against a server speaking TGI's native protocol: servegate's own
   TGI-compatible API (itself checked against TGI's official clients in test_tgi_api.py), here in
   front of the built-in engine, so cancellation can be seen in the engine's KV blocks;
@@ -43,7 +44,7 @@ from backends.builtin import BuiltinBackend, EngineConfig
 from backends.builtin.loader import default_model_path
 from backends.llamacpp import LlamaCppBackend, LlamaCppConfig, LlamaCppServerBackend, llama_server_config
 from backends.openai_compat import OpenAICompatConfig
-from backends.peers import PeerMissing, llama_server, llama_server_command, vllm_command, vllm_env, vllm_python
+from backends.peers import PeerMissing, llama_server, llama_server_command
 from backends.sglang import SGLangBackend
 from backends.tgi import TGIBackend
 from backends.vllm import VLLMBackend
@@ -64,7 +65,7 @@ class Target:
 
 
 @contextlib.contextmanager
-def target_of(kind: str, tmp_path_factory):
+def target_of(kind: str, request):
     if kind == "builtin":
         backend = BuiltinBackend(EngineConfig(engine_process=False))  # its engine is checked for leaks
         asyncio.run(backend.start())
@@ -87,12 +88,8 @@ def target_of(kind: str, tmp_path_factory):
         with server_process(llama_server_command(default_model_path(), port, "smollm2"), url, "/health"):
             yield Target(LlamaCppServerBackend(llama_server_config(url, "smollm2"), name="llama-server"))
     elif kind == "vllm":
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        peer(vllm_python)
-        command = vllm_command(vllm_model_dir(), port, "smollm2")
-        with server_process(command, url, "/health", timeout=900, env=vllm_env()):
-            yield Target(VLLMBackend(OpenAICompatConfig(base_url=url, model="smollm2")))
+        url = request.getfixturevalue("vllm_url")  # the run's one vLLM server, in float32
+        yield Target(VLLMBackend(OpenAICompatConfig(base_url=url, model="smollm2")))
     elif kind in ("sglang-fixture", "tgi-fixture"):
         runtime = kind.removesuffix("-fixture")
         fixture = json.loads(next((Path(__file__).parent / "fixtures").glob(f"{runtime}-*.json")).read_text())
@@ -103,7 +100,8 @@ def target_of(kind: str, tmp_path_factory):
                          replayed=True)
     else:  # tgi-protocol
         engine_backend = BuiltinBackend(EngineConfig(engine_process=False))
-        app = gateway_app({engine_backend.model_id: engine_backend}, tmp_path_factory.mktemp("tgi-target"))
+        app = gateway_app({engine_backend.model_id: engine_backend},
+                          request.getfixturevalue("tmp_path_factory").mktemp("tgi-target"))
         with serve_app(app) as url:
             wait_ready(url)
             yield Target(TGIBackend(OpenAICompatConfig(base_url=url, model=engine_backend.model_id,
@@ -118,20 +116,13 @@ def peer(provisioned) -> None:
         pytest.skip(str(missing))
 
 
-def vllm_model_dir() -> Path:
-    """The default model as the Hugging Face directory the built-in engine converts it to."""
-    from backends.builtin.loader import gguf_to_hf_dir
-
-    return gguf_to_hf_dir(default_model_path())
-
-
 TARGETS = ["builtin", "llama-cpp", "llama-cpp-server", "llama-server", "vllm", "tgi-protocol", "sglang-fixture",
            "tgi-fixture"]
 
 
 @pytest.fixture(scope="module", params=TARGETS)
-def target(request, tmp_path_factory):
-    with target_of(request.param, tmp_path_factory) as made:
+def target(request):
+    with target_of(request.param, request) as made:
         if request.param != "builtin":
             asyncio.run(made.backend.start())
         yield made

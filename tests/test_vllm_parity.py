@@ -1,19 +1,17 @@
 """Greedy, token for token, the built-in engine answers as vLLM's CPU build does, both in float32
 on the default model: completions and chat, short prompts and prompts of 1,000+ tokens, sent
 all at once (batched in both) and one at a time. Skips, saying why, where vLLM's environment
-could not be provisioned (`python -m backends.peers vllm`)."""
+could not be provisioned (`python -m backends.peers vllm`); vLLM is the run's one server
+(conftest's `vllm_url`)."""
 
 from __future__ import annotations
 
 import asyncio
 
 import httpx
-import pytest
 
-from backends import peers
 from backends.base import Delta, Finish, GenerateRequest
 from backends.builtin import BuiltinBackend, EngineConfig
-from backends.launch import free_port, supervised
 
 MAX_TOKENS = 32
 TOPICS = ["the sea", "gravity", "a city at night", "prime numbers", "bread"]
@@ -32,19 +30,6 @@ def prompts(tokenizer) -> list[dict]:
     long = [r for r in requests if len(tokenizer.encode(r.get("prompt") or LONG)) >= 1000]
     assert len(requests) == 20 and len(long) >= 8
     return requests
-
-
-@pytest.fixture(scope="module")
-def vllm_url(default_model_dir):
-    try:
-        peers.vllm_python()
-    except peers.PeerMissing as missing:
-        pytest.skip(str(missing))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = peers.vllm_command(default_model_dir, port, "smollm2", max_model_len=2048, dtype="float32")
-    with supervised(command, url, "/health", peers.vllm_env(), 900):
-        yield url
 
 
 async def vllm_answer(client: httpx.AsyncClient, request: dict) -> tuple[str, int]:
