@@ -38,26 +38,27 @@ static inline __m512 sum_lanes16(const __m512 v[16]) {
 // time, their sums gathered by `sum_lanes16`. The query is a bf16 model's, so it converts exactly.
 template <int64_t D>
 static void bf16_scores(const float* q, const at::BFloat16* key_cache, const at::BFloat16* value_cache,
-                        const int64_t* table, int64_t len,
-                        int64_t heads, int64_t kv_heads, int64_t block_size, float scale, float* scores) {
+                        const int64_t* slots, int64_t len, int64_t heads, int64_t kv_heads, float scale,
+                        float* scores) {
   constexpr int64_t kPairs = D / 32;  // 32 bf16 values per register
   const int64_t group = heads / kv_heads, slot_stride = kv_heads * D;
   std::vector<__m512bh> qb(heads * kPairs);
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t p = 0; p < kPairs; ++p)
-      qb[h * kPairs + p] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + h * D + 32 * p + 16), _mm512_loadu_ps(q + h * D + 32 * p));
+      qb[h * kPairs + p] =
+          _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + h * D + 32 * p + 16), _mm512_loadu_ps(q + h * D + 32 * p));
   // Sixteen slots at a time, every head over them, so their rows are read from memory once, in order.
   for (int64_t j0 = 0; j0 < len; j0 += 16) {
-    const at::BFloat16* slots[16];
+    const at::BFloat16* rows[16];
     for (int64_t i = 0; i < 16; ++i) {
       const int64_t j = std::min(j0 + i, len - 1);  // past the end: a repeat, not stored
-      slots[i] = key_cache + (table[j / block_size] * block_size + j % block_size) * slot_stride;
+      rows[i] = key_cache + slots[j] * slot_stride;
     }
     const __mmask16 valid = (1u << std::min<int64_t>(16, len - j0)) - 1;
     // The blocks are scattered, so no hardware prefetcher guesses the next slots: ask for them,
     // keys for this pass, values for the third.
     for (int64_t j = j0 + 16; j < std::min(j0 + 32, len); ++j) {
-      const int64_t slot = (table[j / block_size] * block_size + j % block_size) * slot_stride;
+      const int64_t slot = slots[j] * slot_stride;
       for (int64_t byte = 0; byte < slot_stride * 2; byte += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(key_cache + slot) + byte, _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(value_cache + slot) + byte, _MM_HINT_T1);
@@ -69,12 +70,41 @@ static void bf16_scores(const float* q, const at::BFloat16* key_cache, const at:
       for (int64_t i = 0; i < 16; ++i) {
         acc[i] = _mm512_setzero_ps();
         for (int64_t p = 0; p < kPairs; ++p)
-          acc[i] = _mm512_dpbf16_ps(acc[i], qb[h * kPairs + p], (__m512bh)_mm512_loadu_si512(slots[i] + offset + 32 * p));
+          acc[i] = _mm512_dpbf16_ps(acc[i], qb[h * kPairs + p],
+                                    (__m512bh)_mm512_loadu_si512(rows[i] + offset + 32 * p));
       }
       _mm512_mask_storeu_ps(scores + h * len + j0, valid, _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scale)));
     }
   }
 }
+
+// Pass 3 for a bf16 cache: a KV head's value rows (at `offset` in each slot) weighted for its G
+// query heads from h0 on,
+// whose G x D/16 float32 sums stay in registers; each row widened once (a shift).
+template <int64_t D, int64_t G>
+static void bf16_values(const float* scores, const at::BFloat16* value_cache, const int64_t* slots, int64_t len,
+                        int64_t slot_stride, int64_t offset, int64_t h0, float* out) {
+  constexpr int64_t kRegs = D / 16;
+  __m512 acc[G][kRegs];
+  for (int64_t k = 0; k < G; ++k)
+    for (int64_t r = 0; r < kRegs; ++r) acc[k][r] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < len; ++j) {
+    const at::BFloat16* v = value_cache + slots[j] * slot_stride + offset;
+    __m512 row[kRegs];
+    for (int64_t r = 0; r < kRegs; ++r)
+      row[r] = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * r))), 16));
+    for (int64_t k = 0; k < G; ++k) {
+      const __m512 w = _mm512_set1_ps(scores[(h0 + k) * len + j]);
+      for (int64_t r = 0; r < kRegs; ++r) acc[k][r] = _mm512_fmadd_ps(w, row[r], acc[k][r]);
+    }
+  }
+  for (int64_t k = 0; k < G; ++k)
+    for (int64_t r = 0; r < kRegs; ++r) _mm512_storeu_ps(out + (h0 + k) * D + 16 * r, acc[k][r]);
+}
+
+template <int64_t D>
+using Values = void (*)(const float*, const at::BFloat16*, const int64_t*, int64_t, int64_t, int64_t, int64_t, float*);
 #endif
 
 // Normalized exponentials of s[0..len), in place, shifted by their max.
@@ -91,7 +121,8 @@ static void softmax(float* s, int64_t len) {
     _mm512_mask_storeu_ps(s + j, tail(j), x);
   }
   const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
-  for (int64_t j = 0; j < len; j += 16) _mm512_mask_storeu_ps(s + j, tail(j), _mm512_mul_ps(_mm512_maskz_loadu_ps(tail(j), s + j), inv));
+  for (int64_t j = 0; j < len; j += 16)
+    _mm512_mask_storeu_ps(s + j, tail(j), _mm512_mul_ps(_mm512_maskz_loadu_ps(tail(j), s + j), inv));
 #else
   const float max = *std::max_element(s, s + len);
   float sum = 0.f;
@@ -109,64 +140,70 @@ static void softmax(float* s, int64_t len) {
 constexpr int64_t kMaxGroup = 4;  // query heads per KV head whose value sums are kept at once
 
 // Attention of one query token (all its heads) over keys 0..position of its sequence, reading
-// the cache block by block through the sequence's block table.
+// the cache through the sequence's block table: `slots` (scratch) gets the cache slot of each
+// position first, so that no pass divides by the block size.
 // With an int8 cache, `k_scales`/`v_scales` hold one float per (slot, KV head); else they are null.
 template <typename scalar_t, int64_t D>
 static void attend(const float* q, const scalar_t* key_cache, const scalar_t* value_cache, const float* k_scales,
                    const float* v_scales, const int64_t* table, int64_t position, int64_t heads, int64_t kv_heads,
-                   int64_t block_size, float scale, std::vector<float>& scores, float* out) {
+                   int64_t block_size, float scale, std::vector<float>& scores, std::vector<int64_t>& slots,
+                   float* out) {
   const int64_t len = position + 1, group = heads / kv_heads, slot_stride = kv_heads * D;
-  const int64_t blocks = (len + block_size - 1) / block_size;
   scores.resize(heads * len);
+  slots.resize(len);
+  for (int64_t b = 0, j = 0; j < len; ++b)
+    for (int64_t i = 0; i < block_size && j < len; ++i, ++j) slots[j] = table[b] * block_size + i;
   float row[D];
   // Pass 1: scores.
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-    bf16_scores<D>(q, key_cache, value_cache, table, len, heads, kv_heads, block_size, scale, scores.data());
+    bf16_scores<D>(q, key_cache, value_cache, slots.data(), len, heads, kv_heads, scale, scores.data());
   } else
 #endif
   // Every head of a slot at once (the slot's rows are contiguous). Each KV head's row is widened
   // to float32 once, in its own vectorized loop, for the query heads that share it (converting
   // inside the dot product kept bf16 from vectorizing: twice float32's time).
-  for (int64_t b = 0, j = 0; b < blocks; ++b) {
-    const scalar_t* k_block = key_cache + table[b] * block_size * slot_stride;
-    for (int64_t i = 0; i < block_size && j < len; ++i, ++j) {
-      const float* k_scale = k_scales ? k_scales + (table[b] * block_size + i) * kv_heads : nullptr;
-      for (int64_t g = 0; g < kv_heads; ++g) {
-        const scalar_t* k = k_block + i * slot_stride + g * D;
+  for (int64_t j = 0; j < len; ++j) {
+    const float* k_scale = k_scales ? k_scales + slots[j] * kv_heads : nullptr;
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      const scalar_t* k = key_cache + slots[j] * slot_stride + g * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(k[d]);
-        const float row_scale = scale * (k_scale ? k_scale[g] : 1.f);
-        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-          const float* qh = q + h * D;
-          float acc = 0.f;
+      for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(k[d]);
+      const float row_scale = scale * (k_scale ? k_scale[g] : 1.f);
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        const float* qh = q + h * D;
+        float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-          for (int64_t d = 0; d < D; ++d) acc += qh[d] * row[d];
-          scores[h * len + j] = acc * row_scale;
-        }
+        for (int64_t d = 0; d < D; ++d) acc += qh[d] * row[d];
+        scores[h * len + j] = acc * row_scale;
       }
     }
   }
   // Pass 2: softmax per head.
   for (int64_t h = 0; h < heads; ++h) softmax(scores.data() + h * len, len);
   // Pass 3: weighted values, one KV head at a time: its row is widened once for the query heads
-  // that share it, whose accumulators (up to kMaxGroup of them) stay in registers.
+  // that share it, up to kMaxGroup of them at once.
   for (int64_t g = 0; g < kv_heads; ++g) {
     for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += kMaxGroup) {
       const int64_t n = std::min<int64_t>(kMaxGroup, (g + 1) * group - h0);
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+        constexpr Values<D> kValues[kMaxGroup] = {bf16_values<D, 1>, bf16_values<D, 2>, bf16_values<D, 3>,
+                                                  bf16_values<D, 4>};
+        kValues[n - 1](scores.data(), value_cache, slots.data(), len, slot_stride, g * D, h0, out);
+        continue;
+      }
+#endif
       float acc[kMaxGroup][D] = {};
-      for (int64_t b = 0, j = 0; b < blocks; ++b) {
-        const scalar_t* v_block = value_cache + table[b] * block_size * slot_stride + g * D;
-        for (int64_t i = 0; i < block_size && j < len; ++i, ++j) {
-          const scalar_t* v = v_block + i * slot_stride;
-          const float v_scale = v_scales ? v_scales[(table[b] * block_size + i) * kv_heads + g] : 1.f;
+      for (int64_t j = 0; j < len; ++j) {
+        const scalar_t* v = value_cache + slots[j] * slot_stride + g * D;
+        const float v_scale = v_scales ? v_scales[slots[j] * kv_heads + g] : 1.f;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(v[d]) * v_scale;
-          for (int64_t k = 0; k < n; ++k) {
-            const float wj = scores[(h0 + k) * len + j];
+        for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(v[d]) * v_scale;
+        for (int64_t k = 0; k < n; ++k) {
+          const float wj = scores[(h0 + k) * len + j];
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) acc[k][d] += wj * row[d];
-          }
+          for (int64_t d = 0; d < D; ++d) acc[k][d] += wj * row[d];
         }
       }
       for (int64_t k = 0; k < n; ++k) std::copy(acc[k], acc[k] + D, out + (h0 + k) * D);
@@ -202,9 +239,10 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
     auto one = head_dim == 64 ? attend<scalar_t, 64> : attend<scalar_t, 128>;
     at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
+      std::vector<int64_t> slots;
       for (int64_t t = begin; t < end; ++t) {
         one(q + t * heads * head_dim, kc, vc, k_scales, v_scales, tables + t * max_blocks, pos[t], heads, kv_heads,
-            block_size, static_cast<float>(scale), scores, o + t * heads * head_dim);
+            block_size, static_cast<float>(scale), scores, slots, o + t * heads * head_dim);
       }
     });
   };
