@@ -45,9 +45,9 @@ def vllm_url(default_model_dir):
         peers.vllm_python()
     except peers.PeerMissing as missing:
         pytest.skip(str(missing))
-    url = f"http://127.0.0.1:{free_port()}"
-    command = peers.vllm_command(default_model_dir, int(url.rsplit(":", 1)[1]), "smollm2", max_model_len=2048,
-                                 dtype="float32")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = peers.vllm_command(default_model_dir, port, "smollm2", max_model_len=2048, dtype="float32")
     with supervised(command, url, "/health", peers.vllm_env(), 900):
         yield url
 

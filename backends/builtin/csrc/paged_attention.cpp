@@ -79,8 +79,8 @@ static void bf16_scores(const float* q, const at::BFloat16* key_cache, const at:
 }
 
 // Pass 3 for a bf16 cache: a KV head's value rows (at `offset` in each slot) weighted for its G
-// query heads from h0 on,
-// whose G x D/16 float32 sums stay in registers; each row widened once (a shift).
+// query heads from h0 on, whose G x D/16 float32 sums stay in registers; each row widened once
+// (a shift).
 template <int64_t D, int64_t G>
 static void bf16_values(const float* scores, const at::BFloat16* value_cache, const int64_t* slots, int64_t len,
                         int64_t slot_stride, int64_t offset, int64_t h0, float* out) {
