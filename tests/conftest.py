@@ -33,6 +33,17 @@ def default_model_dir() -> Path:
     return gguf_to_hf_dir(default_model_path())
 
 
+def provisioned_or_skip(provisioned) -> Path:
+    """A peer runtime's path (`provisioned()`, from backends.peers); skips, saying why, where it
+    is not provisioned."""
+    from backends.peers import PeerMissing
+
+    try:
+        return provisioned()
+    except PeerMissing as missing:
+        pytest.skip(str(missing))
+
+
 @pytest.fixture(scope="session")
 def vllm_url(default_model_dir):
     """vLLM's CPU build serving the default model as `smollm2`, in float32, started once for the
@@ -41,10 +52,7 @@ def vllm_url(default_model_dir):
     from backends import peers
     from backends.launch import supervised
 
-    try:
-        peers.vllm_python()
-    except peers.PeerMissing as missing:
-        pytest.skip(str(missing))
+    provisioned_or_skip(peers.vllm_python)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = peers.vllm_command(default_model_dir, port, "smollm2", max_model_len=2048, dtype="float32")

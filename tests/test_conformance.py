@@ -44,12 +44,12 @@ from backends.builtin import BuiltinBackend, EngineConfig
 from backends.builtin.loader import default_model_path
 from backends.llamacpp import LlamaCppBackend, LlamaCppConfig, LlamaCppServerBackend, llama_server_config
 from backends.openai_compat import OpenAICompatConfig
-from backends.peers import PeerMissing, llama_server, llama_server_command
+from backends.peers import llama_server, llama_server_command
 from backends.sglang import SGLangBackend
 from backends.tgi import TGIBackend
 from backends.vllm import VLLMBackend
 
-from .conftest import ADMIN_KEY, gateway_app, generated, serve_app, wait_ready
+from .conftest import ADMIN_KEY, gateway_app, generated, provisioned_or_skip, serve_app, wait_ready
 from .replay import replay
 
 PROMPT = "The three primary colors are"
@@ -84,7 +84,7 @@ def target_of(kind: str, request):
     elif kind == "llama-server":
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        peer(llama_server)
+        provisioned_or_skip(llama_server)
         with server_process(llama_server_command(default_model_path(), port, "smollm2"), url, "/health"):
             yield Target(LlamaCppServerBackend(llama_server_config(url, "smollm2"), name="llama-server"))
     elif kind == "vllm":
@@ -106,14 +106,6 @@ def target_of(kind: str, request):
             wait_ready(url)
             yield Target(TGIBackend(OpenAICompatConfig(base_url=url, model=engine_backend.model_id,
                                                        api_key=ADMIN_KEY)), engine_backend.engine)
-
-
-def peer(provisioned) -> None:
-    """Skip, saying why, where a peer runtime is not provisioned."""
-    try:
-        provisioned()
-    except PeerMissing as missing:
-        pytest.skip(str(missing))
 
 
 TARGETS = ["builtin", "llama-cpp", "llama-cpp-server", "llama-server", "vllm", "tgi-protocol", "sglang-fixture",

@@ -13,6 +13,8 @@ import pytest
 from backends import peers
 from backends.builtin.loader import default_model_path, load_tokenizer
 
+from .conftest import provisioned_or_skip
+
 CODE = [
     "def f(x):\n    return x ** 2  # square\n", "for (int i = 0; i < n; ++i) { sum += a[i]; }",
     "const add = (a, b) => a + b;\nexport default add;", "#include <stdio.h>\nint main(void) { return 0; }",
@@ -119,10 +121,7 @@ def test_a_completion_prompt_gets_no_bos_the_gguf_does_not_ask_for(default_model
 @pytest.mark.parametrize("environment", ["transformers4", "vllm"])
 def test_the_converted_directory_tokenizes_alike_everywhere(environment, default_model_dir, texts, engine_ids,
                                                             tmp_path):
-    try:
-        python = peers.transformers4_python() if environment == "transformers4" else peers.vllm_python()
-    except peers.PeerMissing as missing:
-        pytest.skip(str(missing))
+    python = provisioned_or_skip(peers.transformers4_python if environment == "transformers4" else peers.vllm_python)
     path = tmp_path / "corpus.json"
     path.write_text(json.dumps(texts))
     command = [str(python), "tests/tokenize_corpus.py", str(default_model_dir), str(path)]

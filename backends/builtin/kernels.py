@@ -1,8 +1,8 @@
 """The native CPU kernels, compiled on first use with `torch.utils.cpp_extension`: attention over
 the paged KV cache, of decode tokens (`csrc/paged_attention.cpp`) and of prompt chunks
-(`csrc/chunk_attention.cpp`, built with AVX-512 only), a decoder layer's element-wise work (`csrc/layer_ops.cpp`:
-residual add + RMSNorm, rotary embedding, SiLU-and-multiply), and bf16 Linear layers for CPUs
-with AVX512-BF16 but no AMX (`csrc/bf16_linear.cpp`).
+(`csrc/chunk_attention.cpp`, built with AVX-512 only), a decoder layer's element-wise work
+(`csrc/layer_ops.cpp`: residual add + RMSNorm, rotary embedding, SiLU-and-multiply), and bf16
+Linear layers for CPUs with AVX512-BF16 but no AMX (`csrc/bf16_linear.cpp`).
 
 The build (about 80 s on 2 cores, once per machine: torch caches it under
 ~/.cache/torch_extensions, under a name that carries the CPU's feature flags, since it is built

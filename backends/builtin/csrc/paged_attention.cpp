@@ -102,9 +102,6 @@ static void bf16_values(const float* scores, const at::BFloat16* value_cache, co
   for (int64_t k = 0; k < G; ++k)
     for (int64_t r = 0; r < kRegs; ++r) _mm512_storeu_ps(out + (h0 + k) * D + 16 * r, acc[k][r]);
 }
-
-template <int64_t D>
-using Values = void (*)(const float*, const at::BFloat16*, const int64_t*, int64_t, int64_t, int64_t, int64_t, float*);
 #endif
 
 // Normalized exponentials of s[0..len), in place, shifted by their max.
@@ -188,8 +185,8 @@ static void attend(const float* q, const scalar_t* key_cache, const scalar_t* va
       const int64_t n = std::min<int64_t>(kMaxGroup, (g + 1) * group - h0);
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-        constexpr Values<D> kValues[kMaxGroup] = {bf16_values<D, 1>, bf16_values<D, 2>, bf16_values<D, 3>,
-                                                  bf16_values<D, 4>};
+        constexpr decltype(&bf16_values<D, 1>) kValues[kMaxGroup] = {bf16_values<D, 1>, bf16_values<D, 2>,
+                                                                     bf16_values<D, 3>, bf16_values<D, 4>};
         kValues[n - 1](scores.data(), value_cache, slots.data(), len, slot_stride, g * D, h0, out);
         continue;
       }
