@@ -61,7 +61,7 @@ def decode_step_ms(engine: LLMEngine, batch: int, context: int, steps: int, arou
     for i in range(batch):
         engine.add_request(f"r{i}", [(i * 131 + j * 7) % 40000 + 100 for j in range(context)], params)
     sched = engine.scheduler
-    while sched.waiting or any(s.num_output_tokens == 0 for s in sched.running):
+    while sched.num_waiting or any(s.num_output_tokens == 0 for s in sched.running):
         engine.step()  # prefill everything first
     with around or contextlib.nullcontext():  # the decode steps alone
         start = time.perf_counter()

@@ -46,6 +46,38 @@ def test_requests_sharing_a_prefix_in_one_step_compute_it_once(make_engine, tiny
     assert got == [o[0] for o in reference.generate([a, b], params)]
 
 
+def test_a_burst_is_admitted_cheapest_first_and_later_arrivals_queue_behind(make_engine, tiny_model):
+    """Requests that arrive together join the queue by tokens left to compute after prefix hits;
+    the ones on a cached prefix take their first token from a step of their own, the cold prompt
+    (longer than long_prefill_tokens) starts in the next; one that arrives later queues behind it,
+    however cheap."""
+    engine = make_engine(tiny_model, dtype="float64", max_num_batched_tokens=512, long_prefill_tokens=64)
+    warm = shared_prefix_prompts(200, [[5], [6], [7], [8]])
+    run(engine, warm[:1])
+    cold = [(11 * i) % 40000 + 300 for i in range(600)]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    outputs: dict[str, list[int]] = {}
+
+    def step():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.token_ids)
+        return {s.request_id: s for s in engine.scheduler.running}
+
+    engine.add_request("cold", cold, params)
+    engine.add_request("warm0", warm[1], params)
+    engine.add_request("warm1", warm[2], params)
+    assert "cold" not in step()  # budget was left, but not for a long prompt behind short ones
+    assert len(outputs["warm0"]) == len(outputs["warm1"]) == 1
+    engine.add_request("late", warm[3], params)
+    seqs = step()
+    assert 0 < seqs["cold"].num_computed_tokens < len(cold) and "late" not in seqs  # the budget went to cold
+    while engine.has_work:
+        step()
+    reference = make_engine(tiny_model, dtype="float64", enable_prefix_caching=False)
+    want = run(reference, [cold, *warm[1:]], params)
+    assert [outputs[r] for r in ("cold", "warm0", "warm1", "late")] == want
+
+
 def test_a_failed_step_forgets_the_prefixes_it_registered(make_engine, tiny_model):
     engine = make_engine(tiny_model, dtype="float64")
     a, = shared_prefix_prompts(100, [[1]])

@@ -28,6 +28,8 @@ class EngineConfig:
     kv_cache_tokens: int = _help("KV cache capacity in tokens (~720 MiB for the default model in fp32).", 16384)
     max_num_batched_tokens: int = _help("Token budget of one engine step (decode first, then prefill chunks).",
                                         2048)
+    long_prefill_tokens: int = _help("A prompt with more tokens than this left to compute waits a step rather "
+                                     "than hold up the first tokens of shorter ones admitted before it.", 256)
     max_num_seqs: int = _help("Running sequences at most.", 64)
     max_model_len: int | None = _help("Context length cap (default: the model's own).", None)
     enable_prefix_caching: bool = _help("Automatic prefix caching.", True, "--prefix-caching/--no-prefix-caching")
@@ -50,8 +52,8 @@ class EngineConfig:
             choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is Literal else ()
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} {getattr(self, f.name)!r} is not one of {', '.join(choices)}")
-        for name in ("block_size", "kv_cache_tokens", "max_num_batched_tokens", "max_num_seqs", "num_kv_blocks",
-                     "max_model_len"):
+        for name in ("block_size", "kv_cache_tokens", "max_num_batched_tokens", "long_prefill_tokens", "max_num_seqs",
+                     "num_kv_blocks", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, not {value!r}")

@@ -135,7 +135,7 @@ class LLMEngine:
         """KV and scheduling figures. Reads live state: call it from the thread that runs steps."""
         kv, sched, bs = self.kv, self.scheduler, self.kv.block_size
         return {
-            "running": len(sched.running), "waiting": len(sched.waiting),
+            "running": len(sched.running), "waiting": sched.num_waiting,
             "kv_blocks_total": kv.num_blocks, "kv_blocks_used": kv.num_used, "kv_blocks_free": kv.num_free,
             "kv_blocks_cached": kv.num_cached,
             # Of the slots in allocated blocks, the fraction holding a live token (1.0 when none are).

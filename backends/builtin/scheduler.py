@@ -2,9 +2,15 @@
 
 One token budget per step. Running sequences go first, oldest first (a decode needs one
 token, an unfinished chunked prefill the rest of its prompt up to the budget); waiting
-sequences are then admitted in arrival order into what is left, their prompts chunked to fit;
-the full blocks a step will compute are in the prefix cache at once, so a request admitted after
+sequences are then admitted in queue order into what is left, their prompts chunked to fit.
+The full blocks a step will compute are in the prefix cache at once, so a request admitted after
 another with the same prefix, even in the same step, computes only what differs.
+Requests join the queue cheapest first among those that arrived since the last step: the fewest
+tokens left to compute after prefix-cache hits (SGLang's longest-prefix-match order, kept within
+one step's arrivals: a request is passed over only by those that came with it). A step whose
+first admitted prompt is short admits no long one (more than `long_prefill_tokens` to compute):
+of a burst, the requests on a cached prefix take their first token from a short step instead of
+waiting for the cold prompts' prefill, which starts one step later.
 When the KV cache runs out, the newest running sequence is preempted: its blocks are freed
 and it goes back to the front of the waiting queue to be recomputed later (its cached full
 blocks usually make that cheap). Nothing it generated is lost: its tokens stay in the sequence.
@@ -34,7 +40,9 @@ class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
+        self.long_prefill_tokens = config.long_prefill_tokens
         self.kv = kv
+        self.arrived: list[Sequence] = []  # since the last step, in arrival order
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -43,13 +51,22 @@ class Scheduler:
         self.num_admitted = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self.arrived.append(seq)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.arrived) + len(self.waiting)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.arrived or self.waiting or self.running)
+
+    def _uncached_tokens(self, seq: Sequence) -> int:
+        return len(seq) - len(self.kv.match_prefix(seq)) * self.kv.block_size
 
     def schedule(self) -> ScheduledBatch:
+        self.waiting.extend(sorted(self.arrived, key=self._uncached_tokens))  # stable: ties keep arrival order
+        self.arrived.clear()
         batch = ScheduledBatch([], [])
         budget = self.max_num_batched_tokens
         preempted = False
@@ -66,10 +83,17 @@ class Scheduler:
                 self._scheduled(batch, seq, n)
                 budget -= n
                 i += 1
+        short_first = None  # whether this step's first admitted prompt is short
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = self.kv.match_prefix(seq)
-            n = min(len(seq) - seq.num_computed_tokens - len(hits) * self.kv.block_size, budget)
+            to_compute = len(seq) - seq.num_computed_tokens - len(hits) * self.kv.block_size
+            short = to_compute <= self.long_prefill_tokens
+            if short_first is None:
+                short_first = short
+            elif short_first and not short:
+                break
+            n = min(to_compute, budget)
             if not self.kv.allocate(seq, n, hits):
                 break
             self.waiting.popleft()
@@ -109,13 +133,13 @@ class Scheduler:
             return
         seq.status, seq.finish_reason = Status.FINISHED, reason
         self.kv.free(seq)
-        if seq in self.running:
-            self.running.remove(seq)
-        else:
-            self.waiting.remove(seq)
+        for queue in (self.running, self.waiting, self.arrived):
+            if seq in queue:
+                queue.remove(seq)
+                break
 
     def abort(self, request_id: str) -> list[Sequence]:
-        seqs = [s for s in (*self.running, *self.waiting) if s.request_id == request_id]
+        seqs = [s for s in (*self.running, *self.waiting, *self.arrived) if s.request_id == request_id]
         for seq in seqs:
             self.finish(seq, "abort")
         return seqs
