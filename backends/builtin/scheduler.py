@@ -61,11 +61,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.arrived or self.waiting or self.running)
 
-    def _uncached_tokens(self, seq: Sequence) -> int:
-        return len(seq) - len(self.kv.match_prefix(seq)) * self.kv.block_size
+    def _to_compute(self, seq: Sequence, hits: list[int]) -> int:
+        return len(seq) - seq.num_computed_tokens - len(hits) * self.kv.block_size
 
     def schedule(self) -> ScheduledBatch:
-        self.waiting.extend(sorted(self.arrived, key=self._uncached_tokens))  # stable: ties keep arrival order
+        # sorted() is stable: ties keep arrival order
+        self.waiting.extend(sorted(self.arrived, key=lambda seq: self._to_compute(seq, self.kv.match_prefix(seq))))
         self.arrived.clear()
         batch = ScheduledBatch([], [])
         budget = self.max_num_batched_tokens
@@ -87,7 +88,7 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = self.kv.match_prefix(seq)
-            to_compute = len(seq) - seq.num_computed_tokens - len(hits) * self.kv.block_size
+            to_compute = self._to_compute(seq, hits)
             short = to_compute <= self.long_prefill_tokens
             if short_first is None:
                 short_first = short
