@@ -1,7 +1,11 @@
 """Prefill-step cost of the built-in engine on the default model: one engine step that computes
-`--prompts` fresh prompts of `--length` tokens each (no prefix-cache hits), and where its time goes.
+`--prompts` fresh prompts of `--length` tokens each, and where its time goes. With `--cached N`
+each prompt follows one shared N-token prefix already in the prefix cache, so the step computes
+only the prompts' own tokens, attending the cached prefix too (a burst of questions on a cached
+system prompt: `--prompts 15 --length 32 --cached 512`); without it nothing is cached.
 
-Usage: python benchmarks/prefill_step.py [--prompts 4] [--length 512] [--dtype auto|float32|bfloat16] [--profile]
+Usage: python benchmarks/prefill_step.py [--prompts 4] [--length 512] [--cached 0] [--dtype auto|float32|bfloat16]
+    [--profile]
 --profile prints the top operators of one more step (torch.profiler; the native kernels are not
 operators: their time is what the table leaves of the step).
 """
@@ -18,11 +22,11 @@ from backends.builtin.engine import LLMEngine
 from backends.builtin.sequence import SamplingParams
 
 
-def prefill_step_s(engine: LLMEngine, prompts: int, length: int, salt: int) -> float:
+def prefill_step_s(engine: LLMEngine, prompts: int, length: int, salt: int, prefix: list[int]) -> float:
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    for i in range(prompts):  # each salt's prompts differ from every other's: nothing is cached
-        engine.add_request(f"{salt}-{i}", [(i * 131 + j * 7 + salt * 977) % 40000 + 100 for j in range(length)],
-                           params)
+    for i in range(prompts):  # each salt's prompts differ from every other's: only `prefix` is cached
+        engine.add_request(f"{salt}-{i}",
+                           prefix + [(i * 131 + j * 7 + salt * 977) % 40000 + 100 for j in range(length)], params)
     start = time.perf_counter()
     engine.step()
     elapsed = time.perf_counter() - start
@@ -35,20 +39,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--length", type=int, default=512)
+    parser.add_argument("--cached", type=int, default=0, help="tokens of a shared prefix already cached")
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
     parser.add_argument("--profile", action="store_true", help="the top operators of one more step")
     args = parser.parse_args()
     tokens = args.prompts * args.length
-    engine = LLMEngine(EngineConfig(dtype=args.dtype, max_num_batched_tokens=tokens))
-    prefill_step_s(engine, args.prompts, args.length, 0)
-    steps = [prefill_step_s(engine, args.prompts, args.length, salt) for salt in (1, 2, 3)]
-    print(f"prefill step, {args.prompts} x {args.length} tokens ({engine.runner.dtype}, chunks to "
+    engine = LLMEngine(EngineConfig(dtype=args.dtype, max_num_batched_tokens=max(tokens, args.cached)))
+    prefix = [(j * 13) % 40000 + 50 for j in range(args.cached)]
+    if prefix:  # its blocks stay in the prefix cache once it finishes
+        engine.generate([prefix], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    prefill_step_s(engine, args.prompts, args.length, 0, prefix)
+    steps = [prefill_step_s(engine, args.prompts, args.length, salt, prefix) for salt in (1, 2, 3)]
+    print(f"prefill step, {args.prompts} x {args.length} tokens after {args.cached} cached "
+          f"({engine.runner.dtype}, chunks to "
           f"{'the chunk kernel' if engine.runner.chunk_kernel else 'SDPA'}): "
           + ", ".join(f"{s * 1000:.0f}" for s in steps) + f" ms; {tokens / min(steps):.0f} tokens/s at best")
     if args.profile:
         profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         with profile:
-            prefill_step_s(engine, args.prompts, args.length, 4)
+            prefill_step_s(engine, args.prompts, args.length, 4, prefix)
         print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
 
 
