@@ -39,7 +39,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--length", type=int, default=512)
-    parser.add_argument("--cached", type=int, default=0, help="tokens of a shared prefix already cached")
+    parser.add_argument("--cached", type=int, default=0,
+                        help="tokens of a shared prefix already cached (its whole 16-token blocks)")
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
     parser.add_argument("--profile", action="store_true", help="the top operators of one more step")
     args = parser.parse_args()
