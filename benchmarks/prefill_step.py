@@ -40,14 +40,14 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--cached", type=int, default=0,
-                        help="tokens of a shared prefix already cached (its whole 16-token blocks)")
+                        help="tokens of a shared prefix already cached (its whole KV blocks)")
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
     parser.add_argument("--profile", action="store_true", help="the top operators of one more step")
     args = parser.parse_args()
     tokens = args.prompts * args.length
-    engine = LLMEngine(EngineConfig(dtype=args.dtype, max_num_batched_tokens=max(tokens, args.cached)))
+    engine = LLMEngine(EngineConfig(dtype=args.dtype, max_num_batched_tokens=tokens))
     prefix = [(j * 13) % 40000 + 50 for j in range(args.cached)]
-    if prefix:  # its blocks stay in the prefix cache once it finishes
+    if prefix:  # its full blocks stay in the prefix cache once it finishes (chunked if over the budget)
         engine.generate([prefix], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     prefill_step_s(engine, args.prompts, args.length, 0, prefix)
     steps = [prefill_step_s(engine, args.prompts, args.length, salt, prefix) for salt in (1, 2, 3)]
