@@ -325,8 +325,10 @@ class Call:
     def _outcome(self, status: str, error: str | None, reported: Usage | None) -> Outcome:
         received, recount = self.received, None
         if reported is not None:  # the backend's own count where it says more than the client got
-            usage = Usage(reported.prompt_tokens or self.prompt_tokens,
-                          max(reported.completion_tokens, received.floor), reported.cached_tokens)
+            prompt = _count(reported.prompt_tokens) or self.prompt_tokens
+            # never more cached than the prompt held: cached tokens priced below input ones would bill less than nothing
+            usage = Usage(prompt, max(_count(reported.completion_tokens), received.floor),
+                          min(_count(reported.cached_tokens), prompt))
         else:
             usage = Usage(self.prompt_tokens, received.estimate())
             recount = received if received.texts else None
@@ -337,3 +339,8 @@ class Call:
             ttft_ms=None if self.first_token_at is None else (self.first_token_at - self.started) * 1000,
             latency_ms=(time.monotonic() - self.started) * 1000, started_at=self.started_at, finished_at=utcnow(),
             reservation=self.reservation, price=self.price, text="".join(self.text), recount=recount)
+
+
+def _count(reported: object) -> int:
+    """A token count as a backend reported it, or 0 where it is not a whole number >= 0."""
+    return reported if isinstance(reported, int) and not isinstance(reported, bool) and reported >= 0 else 0

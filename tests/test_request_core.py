@@ -137,6 +137,33 @@ def test_an_upstream_that_lies_about_usage_is_billed_from_what_it_sent(tmp_path)
         assert done.usage.completion_tokens == 20 and usage_records(gw.url, tenant)[0]["completion_tokens"] == 20
 
 
+@pytest.mark.parametrize("usage", [
+    {"prompt_tokens": 3, "completion_tokens": 20, "prompt_tokens_details": {"cached_tokens": 10**9}},
+    {"prompt_tokens": -1000, "completion_tokens": 20, "prompt_tokens_details": {"cached_tokens": -5}},
+    {"prompt_tokens": "3", "completion_tokens": None, "prompt_tokens_details": {"cached_tokens": 2.5}},
+], ids=["cached-beyond-the-prompt", "negative-counts", "counts-not-integers"])
+def test_an_upstream_whose_usage_is_impossible_is_billed_at_least_what_it_sent(tmp_path, usage):
+    """Cached tokens priced below input ones, more of them than the prompt held, would bill less
+    than nothing; a negative count likewise."""
+    async def impossible():
+        async for chunk in answer(count=20):
+            yield chunk if b'"usage": null' in chunk or b"[DONE]" in chunk else piece(None, usage=usage)
+
+    price = {"input": 1, "cached_input": 0.1, "output": 2}  # USD per million tokens
+    with gateway_over({"remote": openai_upstream(lambda path: impossible())}, tmp_path,
+                      prices={"remote": price}) as gw:
+        tenant, key = tenant_with_key(gw)
+        done = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key).completions.create(
+            model="remote", prompt="hi", max_tokens=500)
+        record = usage_records(gw.url, tenant)[0]
+    billed = (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.prompt_tokens_details.cached_tokens)
+    assert billed == (record["prompt_tokens"], record["completion_tokens"], record["cached_tokens"])
+    assert record["prompt_tokens"] >= 1 and record["completion_tokens"] == 20
+    assert 0 <= record["cached_tokens"] <= record["prompt_tokens"]
+    # every prompt token at the cached price, in nano-dollars ($1 per million tokens is 1,000 a token)
+    assert record["cost_nano_usd"] >= record["prompt_tokens"] * 100 + 20 * 2_000
+
+
 def test_an_upstream_that_dies_mid_stream_bills_what_was_sent(tmp_path):
     with gateway_over({"remote": openai_upstream(lambda path: answer(die_after=12))}, tmp_path) as gw:
         tenant, key = tenant_with_key(gw)
