@@ -67,10 +67,11 @@ def vllm_command(model_dir: str | Path, port: int, served_name: str, max_model_l
                  extra: Sequence[str] = (), dtype: str = "bfloat16") -> list[str]:
     """vLLM's OpenAI server, started as a module: the `vllm` command reads the version of a
     distribution named `vllm`, which only the record this module writes provides. bf16 is its
-    default and best setting on CPU."""
+    default and best setting on CPU. Its usage reports the prompt tokens its prefix cache served
+    only with `--enable-prompt-tokens-details` (the ledger bills them at the cached price)."""
     return [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", str(max_model_len), "--dtype", dtype, *extra]
+            "--max-model-len", str(max_model_len), "--dtype", dtype, "--enable-prompt-tokens-details", *extra]
 
 
 @contextlib.contextmanager
