@@ -94,7 +94,8 @@ def _sglang(s: LaunchSpec):
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", s.model, "--host", s.host, "--port",
             str(s.port), *_opt("--context-length", s.context_length),  # never --max-total-tokens: the KV pool
             *_opt("--tp-size", _tp(s)), *_opt("--ep-size", s.tensor_parallel if s.expert_parallel else None),
-            *_opt("--kv-cache-dtype", s.kv_cache_dtype), *_opt("--max-running-requests", s.max_running_requests)]
+            *_opt("--kv-cache-dtype", s.kv_cache_dtype), *_opt("--max-running-requests", s.max_running_requests),
+            "--enable-cache-report"]  # its usage then counts the prompt tokens its radix cache served
     if s.prefix_caching is False:
         argv.append("--disable-radix-cache")
     return argv, {}

@@ -31,10 +31,12 @@ def test_one_spec_becomes_each_runtimes_flags():
     assert vllm[:3] == ["vllm", "serve", "m"] and flag(vllm, "--max-model-len") == "8192"
     assert flag(vllm, "--tensor-parallel-size") == "2" and flag(vllm, "--max-num-seqs") == "64"
     assert "--no-enable-prefix-caching" in vllm and flag(vllm, "--kv-cache-dtype") == "fp8_e4m3"
+    assert "--enable-prompt-tokens-details" in vllm  # else its usage counts no cached tokens to bill at their price
 
     sglang, _ = argv(runtime="sglang", context_length=8192, tensor_parallel=2, prefix_caching=False)
     assert flag(sglang, "--context-length") == "8192" and "--max-total-tokens" not in sglang  # that is its KV pool
     assert flag(sglang, "--tp-size") == "2" and "--disable-radix-cache" in sglang
+    assert "--enable-cache-report" in sglang
 
     tgi, env = argv(runtime="tgi", context_length=8192, tensor_parallel=2, kv_cache_dtype="fp8_e4m3",
                     max_running_requests=128, prefix_caching=False)
