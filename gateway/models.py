@@ -33,7 +33,7 @@ class Usd(TypeDecorator):
     cache_ok = True
 
     def process_bind_param(self, value: Decimal | None, dialect) -> int | None:
-        return None if value is None else int(value * NANO_USD_PER_USD)
+        return nano_usd(value)
 
     def process_result_value(self, value: int | None, dialect) -> Decimal | None:
         return None if value is None else usd(value)
