@@ -39,6 +39,9 @@ class GenerateRequest:
     n: int = 1
     extra: dict[str, Any] = field(default_factory=dict)  # runtime-specific, passed through untouched
     trace_headers: dict[str, str] = field(default_factory=dict)  # W3C `traceparent` for an upstream server
+    # Prefix-cache namespace: cached prompt blocks serve only requests of the same salt (the
+    # gateway gives each tenant its own), where the runtime can keep them apart.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]

@@ -6,8 +6,10 @@ handed on to the ledger, quota settlement, metrics, the canary guard and shadow 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
+import hashlib
 import logging
 
 from sqlalchemy import Engine
@@ -92,6 +94,8 @@ class Gateway:
              trace: RequestTrace = OFF) -> Call:
         """A request to run; when the decision mirrors it, its shadow starts at the same time, through
         the same admission and timeouts, unbilled (and untraced)."""
+        if not self.settings.shared_prefix_cache:
+            greq = dataclasses.replace(greq, cache_salt=prefix_cache_salt(principal.tenant.name))
         if decision.shadow is not None:
             mirrored = Call(self.env, principal, dataclasses.replace(decision, candidates=[decision.shadow]),
                             dataclasses.replace(greq, request_id=f"{greq.request_id}-shadow"), api, stream,
@@ -223,3 +227,10 @@ async def _drained(call: Call) -> Outcome:
         async for _ in events:
             pass
     return call.outcome
+
+
+def prefix_cache_salt(tenant: str) -> str:
+    """A tenant's prefix-cache namespace, the same on every replica: 256 bits in base64url (the
+    length vLLM asks of a salt). Clients cannot send one of their own, so knowing it gains nothing."""
+    digest = hashlib.sha256(f"servegate prefix cache of tenant {tenant}".encode()).digest()
+    return base64.urlsafe_b64encode(digest).decode().rstrip("=")

@@ -38,6 +38,10 @@ class Settings(BaseSettings):
     usage_flush_s: float = 0.5
     # Log prompts and outputs (off: logs carry request ids, tenants and figures only).
     log_prompts: bool = False
+    # Tenants share prefix-cache hits. Off, each tenant's prompts reuse only its own cached prefixes
+    # (on the built-in engine and vLLM, through a cache salt per tenant): a hit's shorter time to the
+    # first token, and its cached-token count, would tell one tenant what another sent.
+    shared_prefix_cache: bool = False
     # Prices per model asked for (served model or route alias), in USD per million tokens, as JSON:
     # {"qwen2.5-7b": {"input": 0.2, "cached_input": 0.05, "output": 0.6}}. A model without one is
     # priced at its backend's list price (cloud providers: litellm's cost map), else free.

@@ -61,6 +61,7 @@ class Target:
     engine: object | None = None  # the built-in engine behind it, where we can see its KV blocks
     reports_prompt_tokens: bool = True
     reports_cached_tokens: bool = False  # prefix-cache hits in its usage (what the ledger bills at the cached price)
+    isolates_prefixes: bool = False  # a request's cache salt keeps its prefixes from other salts'
     tokenized: str = PROMPT  # a replayed runtime tokenizes only the text it recorded
     replayed: bool = False  # a fixture: it answers what it recorded, whatever the prompt
 
@@ -70,7 +71,7 @@ def target_of(kind: str, request):
     if kind == "builtin":
         backend = BuiltinBackend(EngineConfig(engine_process=False))  # its engine is checked for leaks
         asyncio.run(backend.start())
-        yield Target(backend, backend.engine, reports_cached_tokens=True)
+        yield Target(backend, backend.engine, reports_cached_tokens=True, isolates_prefixes=True)
         asyncio.run(backend.close())
     elif kind == "llama-cpp":
         yield Target(LlamaCppBackend(LlamaCppConfig(slots=2, n_ctx=2048)), reports_prompt_tokens=False)
@@ -91,7 +92,8 @@ def target_of(kind: str, request):
                          reports_cached_tokens=True)
     elif kind == "vllm":
         url = request.getfixturevalue("vllm_url")  # the run's one vLLM server, in float32
-        yield Target(VLLMBackend(OpenAICompatConfig(base_url=url, model="smollm2")), reports_cached_tokens=True)
+        yield Target(VLLMBackend(OpenAICompatConfig(base_url=url, model="smollm2")), reports_cached_tokens=True,
+                     isolates_prefixes=True)
     elif kind in ("sglang-fixture", "tgi-fixture"):
         runtime = kind.removesuffix("-fixture")
         fixture = json.loads(next((Path(__file__).parent / "fixtures").glob(f"{runtime}-*.json")).read_text())
@@ -171,19 +173,24 @@ def test_greedy_is_repeatable_and_stop_strings_end_the_text(target):
 def test_a_repeated_prompt_reports_the_tokens_its_cache_served(target):
     """Where a runtime says in its usage how much of a prompt its prefix cache served (the engine,
     llama-server, vLLM started with `--enable-prompt-tokens-details`), a repeated 400-token prompt
-    reports most of it; where it does not, 0; never more than the prompt."""
+    reports most of it; where it does not, 0; never more than the prompt. Where it keeps cache
+    salts apart (the engine, vLLM's `cache_salt`), the same prompt under another salt hits nothing."""
     prompt = "Notes on the tides. " + " ".join(f"Line {i}: the moon pulls the sea." for i in range(40))
 
     async def scenario():
-        await generated(target.backend, prompt=prompt, max_tokens=2)
-        return (await generated(target.backend, prompt=prompt, max_tokens=2))[1].usage
+        await generated(target.backend, prompt=prompt, max_tokens=2, cache_salt="tenant-a")
+        again = await generated(target.backend, prompt=prompt, max_tokens=2, cache_salt="tenant-a")
+        elsewhere = await generated(target.backend, prompt=prompt, max_tokens=2, cache_salt="tenant-b")
+        return again[1].usage, elsewhere[1].usage
 
-    usage = run(target, scenario())
+    usage, elsewhere = run(target, scenario())
     assert 0 <= usage.cached_tokens <= usage.prompt_tokens
     if target.reports_cached_tokens:
         assert usage.prompt_tokens >= 400 and usage.cached_tokens >= usage.prompt_tokens // 2
     elif not target.replayed:
         assert usage.cached_tokens == 0
+    if target.isolates_prefixes:
+        assert elsewhere.cached_tokens == 0
 
 
 def test_errors_map_to_the_taxonomy(target):

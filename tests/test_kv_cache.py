@@ -4,13 +4,13 @@ from backends.builtin.kv_cache import KVCacheManager
 from backends.builtin.sequence import SamplingParams, Sequence
 
 
-def seq(tokens: list[int]) -> Sequence:
-    return Sequence(list(tokens), SamplingParams(temperature=0.0))
+def seq(tokens: list[int], cache_salt: str | None = None) -> Sequence:
+    return Sequence(list(tokens), SamplingParams(temperature=0.0), cache_salt=cache_salt)
 
 
-def computed(kv: KVCacheManager, tokens) -> Sequence:
+def computed(kv: KVCacheManager, tokens, cache_salt: str | None = None) -> Sequence:
     """A sequence admitted, fully computed and offered to the prefix cache."""
-    s = seq(tokens)
+    s = seq(tokens, cache_salt)
     assert kv.allocate(s, len(s), kv.match_prefix(s))
     s.num_computed_tokens = len(s)
     kv.cache_full_blocks(s, s.num_computed_tokens)
@@ -58,6 +58,16 @@ def test_prefix_match_stops_at_first_difference_and_checks_keys():
     kv._hash_blocks(forged, 1)
     kv.hash_to_block[forged.block_hashes[0]] = a.block_table[0]
     assert kv.match_prefix(forged) == []
+
+
+def test_prefixes_are_shared_only_within_one_cache_salt():
+    kv = KVCacheManager(num_blocks=32, block_size=16)
+    a = computed(kv, range(64), cache_salt="tenant-a")
+    assert kv.match_prefix(seq(list(range(64)) + [1], "tenant-a")) == a.block_table
+    assert kv.match_prefix(seq(list(range(64)) + [1], "tenant-b")) == []
+    assert kv.match_prefix(seq(list(range(64)) + [1])) == []  # no salt is a namespace of its own
+    b = computed(kv, range(64), cache_salt="tenant-b")  # the same tokens, cached again apart
+    assert set(a.block_table).isdisjoint(b.block_table) and kv.num_cached == 8
 
 
 def test_cached_blocks_survive_free_and_are_evicted_lru_only_when_needed():

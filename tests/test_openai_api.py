@@ -89,6 +89,22 @@ def test_chat_stream_with_usage_and_cached_tokens(client):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 48  # the repeated prompt hit the cache
 
 
+def test_one_tenants_cached_prefix_never_serves_another(base_url, backend):
+    """A prefix-cache hit shortens the time to the first token and shows in the usage: shared
+    across tenants it would tell one what another sent. Each tenant's prompts hit only its own."""
+    url = base_url[0]
+    prompt = "A private note on the quarterly figures. " * 12
+    clients = []
+    for name in ("cache-a", "cache-b"):
+        assert httpx.post(f"{url}/admin/tenants", json={"name": name}, headers=AUTH).status_code == 201
+        key = httpx.post(f"{url}/admin/keys", json={"tenant": name}, headers=AUTH).json()["key"]
+        clients.append(openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0))
+    cached = [c.completions.create(model=MODEL, prompt=prompt, max_tokens=1).usage.prompt_tokens_details.cached_tokens
+              for c in (clients[0], clients[1], clients[0], clients[1])]
+    assert cached[:2] == [0, 0] and cached[2] >= 64 and cached[3] >= 64  # each hit its own copy
+    assert backend.engine.kv.num_cached >= 2 * (cached[2] // backend.engine.kv.block_size)
+
+
 def test_completions_stream_and_not(client):
     full = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=10, temperature=0)
     assert full.choices[0].finish_reason in ("length", "stop") and full.usage.completion_tokens <= 10

@@ -113,7 +113,7 @@ class BuiltinBackend(Backend):
         echo = self._echo(request, prompt_ids)
         unechoed = set(range(params.n)) if echo else set()
         completion_tokens = cached = 0
-        async for out in front.stream(request.request_id, prompt_ids, params, request.stop):
+        async for out in front.stream(request.request_id, prompt_ids, params, request.stop, request.cache_salt):
             completion_tokens += len(out.token_ids)
             cached = max(cached, out.num_cached_tokens)
             text, reason, extra = out.text, out.finish_reason, {}

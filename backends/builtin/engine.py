@@ -98,12 +98,12 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    stop: Iterable[str] = ()) -> None:
+                    stop: Iterable[str] = (), cache_salt: str | None = None) -> None:
         """Queue a request. Validation (lengths, ids) is the caller's: see `check_request`. A
         duplicate id or a grammar that does not compile is a ValueError."""
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        seq = Sequence(list(prompt_ids), params, request_id)
+        seq = Sequence(list(prompt_ids), params, request_id, cache_salt=cache_salt)
         if params.grammar is not None:
             seq.matcher = self.grammars.matcher(params.grammar)
         self.requests[request_id] = Request(request_id, list(prompt_ids), params, tuple(stop))
@@ -237,12 +237,12 @@ class EngineFront:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.stats: dict[str, float] = {}  # the engine's figures, refreshed at every step boundary
 
-    async def stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     stop: Iterable[str] = ()) -> AsyncIterator[StepOutput | BaseException]:
+    async def stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams, stop: Iterable[str] = (),
+                     cache_salt: str | None = None) -> AsyncIterator[StepOutput | BaseException]:
         """Outputs of one request until every choice finished. Leaving early aborts it."""
         out: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), out)
-        self._send(("add", request_id, prompt_ids, params, tuple(stop)))
+        self._send(("add", request_id, prompt_ids, params, tuple(stop), cache_salt))
         remaining = params.n
         try:
             while remaining:
@@ -276,9 +276,9 @@ class EngineFront:
 def run_command(engine: LLMEngine, command: tuple) -> tuple[str, str] | None:
     """Apply one front command to the engine; a request it refuses comes back with the reason."""
     if command[0] == "add":
-        _, request_id, prompt_ids, params, stop = command
+        _, request_id, prompt_ids, params, stop, cache_salt = command
         try:
-            engine.add_request(request_id, prompt_ids, params, stop)
+            engine.add_request(request_id, prompt_ids, params, stop, cache_salt)
         except ValueError as exc:
             return request_id, str(exc)
     else:

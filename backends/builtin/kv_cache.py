@@ -6,7 +6,8 @@ Invariants:
   others in `plain_free`. So a cached block is evicted only when no plain block is left.
 - Only full blocks are hashed, computed or being computed in the current step. A block's hash
   chains its parent's hash with its own token ids, so equal hashes mean equal prefixes; the
-  stored key guards against collisions.
+  stored key guards against collisions. The first block's chain starts from the sequence's cache
+  salt, so prefixes are shared only among sequences of one salt.
 - A block is written only while its owner is its sole user: a shared partial block (left by
   a fork for `n > 1`) is copied before the write (`pending_copies`, done by the model runner).
 """
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 from .sequence import Sequence
 
-BlockKey = tuple[int | None, tuple[int, ...]]  # (parent hash, token ids)
+BlockKey = tuple[int | str | None, tuple[int, ...]]  # (parent hash, or the first block's cache salt; token ids)
 
 
 @dataclass(eq=False)
@@ -64,7 +65,7 @@ class KVCacheManager:
 
     # -- prefix cache -------------------------------------------------------------------
     def _key(self, seq: Sequence, i: int) -> BlockKey:
-        parent = seq.block_hashes[i - 1] if i else None
+        parent = seq.block_hashes[i - 1] if i else seq.cache_salt
         return parent, tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
 
     def _hash_blocks(self, seq: Sequence, num_blocks: int) -> None:

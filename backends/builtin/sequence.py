@@ -71,6 +71,7 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_ids))
     num_preemptions: int = 0
     arrival: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None  # prefix-cache namespace: the first block's key starts from it
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
@@ -100,5 +101,5 @@ class Sequence:
             list(self.token_ids), self.params, self.request_id, index, self.num_prompt_tokens,
             self.num_computed_tokens, self.num_cached_tokens, status=self.status,
             block_hashes=list(self.block_hashes), num_registered_blocks=self.num_registered_blocks,
-            matcher=self.matcher.fresh() if self.matcher else None,
+            matcher=self.matcher.fresh() if self.matcher else None, cache_salt=self.cache_salt,
         )
