@@ -326,9 +326,11 @@ class Call:
         received, recount = self.received, None
         if reported is not None:  # the backend's own count where it says more than the client got
             prompt = _count(reported.prompt_tokens) or self.prompt_tokens
+            completion = _count(reported.completion_tokens)
+            if self.greq.max_tokens is not None:  # and no more than it may generate
+                completion = min(completion, self.greq.max_tokens * self.greq.n)
             # never more cached than the prompt held: cached tokens priced below input ones would bill less than nothing
-            usage = Usage(prompt, max(_count(reported.completion_tokens), received.floor),
-                          min(_count(reported.cached_tokens), prompt))
+            usage = Usage(prompt, max(completion, received.floor), min(_count(reported.cached_tokens), prompt))
         else:
             usage = Usage(self.prompt_tokens, received.estimate())
             recount = received if received.texts else None

@@ -137,14 +137,15 @@ def test_an_upstream_that_lies_about_usage_is_billed_from_what_it_sent(tmp_path)
         assert done.usage.completion_tokens == 20 and usage_records(gw.url, tenant)[0]["completion_tokens"] == 20
 
 
-@pytest.mark.parametrize("usage", [
-    {"prompt_tokens": 3, "completion_tokens": 20, "prompt_tokens_details": {"cached_tokens": 10**9}},
-    {"prompt_tokens": -1000, "completion_tokens": 20, "prompt_tokens_details": {"cached_tokens": -5}},
-    {"prompt_tokens": "3", "completion_tokens": None, "prompt_tokens_details": {"cached_tokens": 2.5}},
-], ids=["cached-beyond-the-prompt", "negative-counts", "counts-not-integers"])
-def test_an_upstream_whose_usage_is_impossible_is_billed_at_least_what_it_sent(tmp_path, usage):
+@pytest.mark.parametrize("usage, completion", [
+    ({"prompt_tokens": 3, "completion_tokens": 20, "prompt_tokens_details": {"cached_tokens": 10**9}}, 20),
+    ({"prompt_tokens": -1000, "completion_tokens": 20, "prompt_tokens_details": {"cached_tokens": -5}}, 20),
+    ({"prompt_tokens": "3", "completion_tokens": None, "prompt_tokens_details": {"cached_tokens": 2.5}}, 20),
+    ({"prompt_tokens": 3, "completion_tokens": 10**9}, 500),  # more than max_tokens: billed max_tokens
+], ids=["cached-beyond-the-prompt", "negative-counts", "counts-not-integers", "beyond-max-tokens"])
+def test_an_upstream_whose_usage_is_impossible_is_billed_at_least_what_it_sent(tmp_path, usage, completion):
     """Cached tokens priced below input ones, more of them than the prompt held, would bill less
-    than nothing; a negative count likewise."""
+    than nothing; a negative count likewise. A count beyond `max_tokens` is no more than it."""
     async def impossible():
         async for chunk in answer(count=20):
             yield chunk if b'"usage": null' in chunk or b"[DONE]" in chunk else piece(None, usage=usage)
@@ -158,10 +159,10 @@ def test_an_upstream_whose_usage_is_impossible_is_billed_at_least_what_it_sent(t
         record = usage_records(gw.url, tenant)[0]
     billed = (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.prompt_tokens_details.cached_tokens)
     assert billed == (record["prompt_tokens"], record["completion_tokens"], record["cached_tokens"])
-    assert record["prompt_tokens"] >= 1 and record["completion_tokens"] == 20
+    assert record["prompt_tokens"] >= 1 and record["completion_tokens"] == completion
     assert 0 <= record["cached_tokens"] <= record["prompt_tokens"]
     # every prompt token at the cached price, in nano-dollars ($1 per million tokens is 1,000 a token)
-    assert record["cost_nano_usd"] >= record["prompt_tokens"] * 100 + 20 * 2_000
+    assert record["cost_nano_usd"] >= record["prompt_tokens"] * 100 + completion * 2_000
 
 
 def test_an_upstream_that_dies_mid_stream_bills_what_was_sent(tmp_path):
