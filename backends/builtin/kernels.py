@@ -43,8 +43,10 @@ def _load():
                 from torch.utils.cpp_extension import load
 
                 # the name carries the CPU's flags and every source's text (torch rebuilds on a changed
-                # source, but not on a changed header)
-                built = " ".join(sorted(cpu_flags())) + "".join(p.read_text() for p in sorted(CSRC.iterdir()))
+                # source, but not on a changed header), and where they lie (it rebuilds when they move:
+                # two checkouts would take turns rebuilding one build)
+                sources = "".join(p.read_text() for p in sorted(CSRC.iterdir()))
+                built = " ".join([str(CSRC), *sorted(cpu_flags())]) + sources
                 machine = hashlib.sha256(built.encode()).hexdigest()[:12]
                 # -fopenmp: at::parallel_for is inline and runs serially in code built without it.
                 _module = load(f"servegate_cpu_kernels_{machine}", SOURCES,
