@@ -145,7 +145,7 @@ def test_an_upstream_that_lies_about_usage_is_billed_from_what_it_sent(tmp_path)
 ], ids=["cached-beyond-the-prompt", "negative-counts", "counts-not-integers", "beyond-max-tokens"])
 def test_an_upstream_whose_usage_is_impossible_is_billed_at_least_what_it_sent(tmp_path, usage, completion):
     """Cached tokens priced below input ones, more of them than the prompt held, would bill less
-    than nothing; a negative count likewise. A count beyond `max_tokens` is no more than it."""
+    than nothing; a negative count likewise. A completion count beyond `max_tokens` bills `max_tokens`."""
     async def impossible():
         async for chunk in answer(count=20):
             yield chunk if b'"usage": null' in chunk or b"[DONE]" in chunk else piece(None, usage=usage)
