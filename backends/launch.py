@@ -78,11 +78,16 @@ def _tp(s: LaunchSpec) -> int | None:
     return s.tensor_parallel if s.tensor_parallel > 1 else None
 
 
+# vLLM's usage counts the prompt tokens its prefix cache served only with this flag; the ledger bills them
+# at the cached price.
+VLLM_CACHED_TOKENS_FLAG = "--enable-prompt-tokens-details"
+
+
 def _vllm(s: LaunchSpec):
     argv = ["vllm", "serve", s.model, "--host", s.host, "--port", str(s.port),
             *_opt("--max-model-len", s.context_length), *_opt("--tensor-parallel-size", _tp(s)),
             *_opt("--kv-cache-dtype", s.kv_cache_dtype), *_opt("--max-num-seqs", s.max_running_requests),
-            "--enable-prompt-tokens-details"]  # its usage then counts the prompt tokens its prefix cache served
+            VLLM_CACHED_TOKENS_FLAG]
     if s.expert_parallel:  # its EP size is the TP size (docs/serving/expert_parallel_deployment)
         argv.append("--enable-expert-parallel")
     if s.prefix_caching is not None:

@@ -67,11 +67,12 @@ def vllm_command(model_dir: str | Path, port: int, served_name: str, max_model_l
                  extra: Sequence[str] = (), dtype: str = "bfloat16") -> list[str]:
     """vLLM's OpenAI server, started as a module: the `vllm` command reads the version of a
     distribution named `vllm`, which only the record this module writes provides. bf16 is its
-    default and best setting on CPU. Its usage reports the prompt tokens its prefix cache served
-    only with `--enable-prompt-tokens-details` (the ledger bills them at the cached price)."""
+    default and best setting on CPU."""
+    from .launch import VLLM_CACHED_TOKENS_FLAG
+
     return [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", str(max_model_len), "--dtype", dtype, "--enable-prompt-tokens-details", *extra]
+            "--max-model-len", str(max_model_len), "--dtype", dtype, VLLM_CACHED_TOKENS_FLAG, *extra]
 
 
 @contextlib.contextmanager
