@@ -67,6 +67,9 @@ class OpenAICompatBackend(Backend):
     FINISH_REASONS: dict[str, str] = {}
     HEALTH_TIMEOUT_S = 5.0
     EXTRA_FIELDS = fields.OPENAI
+    # The runtime keeps prefixes apart by a request's `cache_salt` (vLLM, SGLang): the gateway sends its
+    # tenant's; a client's own is refused with the other unknown fields.
+    TAKES_CACHE_SALT = False
 
     @property
     def extra_fields(self) -> frozenset[str]:
@@ -115,6 +118,8 @@ class OpenAICompatBackend(Backend):
                            ("ignore_eos", request.ignore_eos or None)):
             if value is not None:
                 body[key] = value
+        if self.TAKES_CACHE_SALT and request.cache_salt:
+            body["cache_salt"] = request.cache_salt
         if request.messages is not None:
             return "/v1/chat/completions", body | {"messages": request.messages}
         prompt = request.prompt if request.prompt is not None else list(request.prompt_token_ids)

@@ -11,7 +11,7 @@ errors on the OpenAI routes are a *flat* `{"object": "error", "message", "type",
 and is 503 while starting; `/flush_cache` empties the radix cache; `/server_info` carries the
 server arguments (`context_length`, `disable_radix_cache`) and `version`; `/metrics`
 (`sglang:*`) exists only with `--enable-metrics`. The radix (prefix) cache is on unless
-`--disable-radix-cache`."""
+`--disable-radix-cache`; a request's `cache_salt` (OpenAI routes and `/generate`) namespaces it."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_from_b
 
 class SGLangBackend(OpenAICompatBackend):
     EXTRA_FIELDS = fields.SGLANG
+    TAKES_CACHE_SALT = True  # its radix tree keys every child on it (`mem_cache/radix_cache.py`, `RadixKey`)
     # `/health` runs a one-token generation and waits up to SGLANG_HEALTH_CHECK_TIMEOUT (20 s) for
     # it (`http_server.py`): under load that is no sign of a dead server.
     HEALTH_TIMEOUT_S = 25.0
@@ -47,6 +48,8 @@ class SGLangBackend(OpenAICompatBackend):
         body = {"sampling_params": {k: v for k, v in params.items() if v is not None}, "stream": True}
         prompt = request.prompt
         body |= {"text": prompt} if prompt is not None else {"input_ids": list(request.prompt_token_ids)}
+        if request.cache_salt:
+            body["cache_salt"] = request.cache_salt
         sent, meta = "", {}
         async for chunk in self.stream_events("/generate", body, request.trace_headers):
             if "error" in chunk:

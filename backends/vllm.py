@@ -8,13 +8,14 @@ limits refuse one (so clients retry elsewhere)."""
 from __future__ import annotations
 
 from . import fields
-from .base import Capabilities, GenerateRequest, Load, TokenSpan
+from .base import Capabilities, Load, TokenSpan
 from .openai_compat import OpenAICompatBackend, OpenAICompatConfig
 from .tokenization import spans, vocabulary_bytes
 
 
 class VLLMBackend(OpenAICompatBackend):
     EXTRA_FIELDS = fields.VLLM
+    TAKES_CACHE_SALT = True  # it salts the first block's hash
 
     def __init__(self, config: OpenAICompatConfig, name: str = "vllm") -> None:
         config.runtime = "vllm"
@@ -24,14 +25,6 @@ class VLLMBackend(OpenAICompatBackend):
     async def start(self) -> None:
         await super().start()
         self.version = str((await self.get_json("/version")).get("version", ""))
-
-    def _body(self, request: GenerateRequest) -> tuple[str, dict]:
-        """With the request's cache salt (`cache_salt`, which salts its first block's hash): a
-        client's own is refused with the other unknown fields."""
-        path, body = super()._body(request)
-        if request.cache_salt:
-            body["cache_salt"] = request.cache_salt
-        return path, body
 
     async def capabilities(self) -> Capabilities:
         return Capabilities(runtime="vllm", version=self.version, model=self.config.model,

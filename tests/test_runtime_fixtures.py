@@ -124,6 +124,37 @@ def test_sglang_native_generate_streams_cumulative_text_as_deltas():
     assert finish.finish_reasons == ("length",) and finish.usage == Usage(7, 6, 3)
 
 
+def test_sglang_gets_the_tenants_cache_salt_on_every_route():
+    """SGLang 0.5.23 keeps prefixes apart by `cache_salt` (its radix tree keys every child on it:
+    `mem_cache/radix_cache.py`, `RadixKey.child_key_at`), which its OpenAI requests and `/generate`
+    take (`entrypoints/openai/protocol.py`, `managers/io_struct.py`): the adapter sends the salt the
+    gateway set on each route and refuses a client's own."""
+    (path,) = FIXTURES.glob("sglang-*.json")
+    fixture, seen = json.loads(path.read_text()), []
+
+    async def scenario(url):
+        config = OpenAICompatConfig(base_url=url, model=fixture["model"])
+        backends = SGLangBackend(config), SGLangBackend(config, native=True)
+        for backend in backends:
+            await backend.start()
+        try:
+            for backend in backends:
+                await generated(backend, prompt="Colors?", max_tokens=6, cache_salt="tenant-a")
+            await generated(backends[0], messages=[{"role": "user", "content": "Colors?"}], max_tokens=6,
+                            cache_salt="tenant-a")
+            with pytest.raises(InvalidRequest, match="cache_salt"):
+                backends[0].admit_extras(GenerateRequest(request_id="r", model="m", prompt="Colors?",
+                                                         extra={"cache_salt": "tenant-b"}))
+        finally:
+            for backend in backends:
+                await backend.close()
+
+    with serve_app(replay(fixture, seen)) as url:
+        asyncio.run(scenario(url))
+    generations = [body for body in seen if {"prompt", "text", "messages"} & set(body)]
+    assert len(generations) == 3 and all(body["cache_salt"] == "tenant-a" for body in generations)
+
+
 def test_llama_server_build_metrics_tokens_and_prompt_cache():
     """llama-server (C++), replayed from what the live server answered (tests/record_fixtures.py):
     version and per-slot context from /props, load from its metrics, token pieces as offsets,
