@@ -41,8 +41,8 @@ from backends.timing import StreamTimer
 
 from .auth import Principal
 from .errors import GatewayError
-from .models import utcnow
-from .quotas import LIMIT_NAMES, QuotaExceeded, QuotaStore, Reservation, dollars
+from .models import dollars, utcnow
+from .quotas import LIMIT_NAMES, QuotaExceeded, QuotaStore, Reservation
 from .routing import Decision, ModelRouter
 from .settings import Settings
 from .telemetry import GatewayMetrics

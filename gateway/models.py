@@ -43,6 +43,11 @@ def usd(nano_usd: int) -> Decimal:
     return Decimal(nano_usd).scaleb(-9).normalize()
 
 
+def dollars(nano_usd: int) -> str:
+    """For people: "$5.00", "$1,234.50", and every digit where cents do not say it all: "$0.000000001"."""
+    return f"${usd(nano_usd):,.2f}" if nano_usd % 10**7 == 0 else f"${usd(nano_usd):,f}"
+
+
 # In JSON, a plain decimal string: "300", "0.000000001" (never "3E+2", "1E-9").
 Dollars = Annotated[Decimal, PlainSerializer(lambda value: format(value, "f"), return_type=str, when_used="json")]
 

@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
-from backends.base import NANO_USD_PER_USD
+from .models import dollars
 
 log = logging.getLogger("servegate.quotas")
 MINUTE, DAY = 60, 86_400
@@ -135,10 +135,6 @@ def _window_name(counter: Counter, r: Reservation) -> str:
     if counter.window == "month":
         return f"{r.month // 12:04d}-{r.month % 12 + 1:02d}"
     return datetime.fromtimestamp(r.day * DAY, UTC).date().isoformat()
-
-
-def dollars(nano_usd: int) -> str:
-    return f"${nano_usd / NANO_USD_PER_USD:,.2f}" if nano_usd % 10**7 == 0 else f"${nano_usd / NANO_USD_PER_USD:,.6f}"
 
 
 def _exceeded(scope: Scope, limit: str, used: int, now: float) -> QuotaExceeded:
