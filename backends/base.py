@@ -250,5 +250,11 @@ class Backend(abc.ABC):
             return len(request.prompt.encode())
         return sum(len(str(m.get("content") or "").encode()) + 16 for m in request.messages) + 16
 
+    async def exact_prompt_tokens(self, request: GenerateRequest) -> int | None:
+        """The prompt's tokens as the runtime itself counts them (its tokenizer, chat template and
+        special tokens), asked of it: for a request that ended without the runtime's usage, billed
+        the reservation's count otherwise. None where the runtime cannot say."""
+        return None
+
     async def tokenize(self, text: str) -> list[TokenSpan]:
         raise InvalidRequest(f"backend {self.name!r} does not offer tokenization")

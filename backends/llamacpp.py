@@ -147,10 +147,10 @@ class LlamaCppServerBackend(OpenAICompatBackend):
                 async with await self._post(path, body, timeout=aiohttp.ClientTimeout(total=60)) as response:
                     failed = response.status >= 400
                     return self.error_for_status(response.status, await response.read()) if failed else error
-            text = request.prompt if request.prompt is not None else " ".join(
-                str(m.get("content") or "") for m in request.messages or ())
-            count = len(request.prompt_token_ids) if request.prompt_token_ids is not None else await self._count(text)
-        except (aiohttp.ClientError, TimeoutError, ValueError):
+            count = await self.exact_prompt_tokens(request)
+            if count is None:  # a chat on llama-cpp-python's server, which renders chats nowhere: its text
+                count = await self._count(" ".join(str(m.get("content") or "") for m in request.messages))
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, BackendError):
             return error
         if count + (request.max_tokens or 0) > context:
             return ContextTooLong(f"the prompt has {count} tokens and max_tokens is {request.max_tokens}: "
@@ -164,6 +164,21 @@ class LlamaCppServerBackend(OpenAICompatBackend):
         async with await self._post(path, body, timeout=aiohttp.ClientTimeout(total=30)) as response:
             answer = await response.json(content_type=None)
         return int(answer["count"]) if self.python_server else len(answer["tokens"])
+
+    async def exact_prompt_tokens(self, request: GenerateRequest) -> int | None:
+        """A text prompt by the server's tokenizer; a chat first rendered by llama-server's
+        `/apply-template` from the body its chat route gets (llama-cpp-python's server has no such route)."""
+        if request.prompt_token_ids is not None:
+            return len(request.prompt_token_ids)
+        if request.prompt is not None:
+            return await self._count(request.prompt)
+        if self.python_server:
+            return None
+        async with await self._post("/apply-template", self._body(request)[1],
+                                    timeout=aiohttp.ClientTimeout(total=30)) as response:
+            if response.status != 200:
+                raise self.error_for_status(response.status, await response.read())
+            return await self._count((await response.json(content_type=None))["prompt"])
 
     async def count_prompt_tokens(self, request: GenerateRequest) -> int:
         """llama-cpp-python's server sends no usage in streams: a text prompt is counted exactly by

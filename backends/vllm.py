@@ -8,9 +8,13 @@ limits refuse one (so clients retry elsewhere)."""
 from __future__ import annotations
 
 from . import fields
-from .base import Capabilities, Load, TokenSpan
+from .base import Capabilities, GenerateRequest, Load, TokenSpan
 from .openai_compat import OpenAICompatBackend, OpenAICompatConfig
 from .tokenization import spans, vocabulary_bytes
+
+# What of a chat request changes its prompt, as vLLM's `/tokenize` takes it (`TokenizeChatRequest`).
+CHAT_TOKENIZE_FIELDS = ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+                        "add_special_tokens")
 
 
 class VLLMBackend(OpenAICompatBackend):
@@ -31,6 +35,23 @@ class VLLMBackend(OpenAICompatBackend):
                             max_context=self._max_context,
                             prefix_caching=True,  # on by default for decoder models (vllm/config/cache.py)
                             tokenize=True)
+
+    async def exact_prompt_tokens(self, request: GenerateRequest) -> int | None:
+        """vLLM's `/tokenize`, which renders a chat as its chat route does (`TokenizeChatRequest`,
+        with the request's own template switches and tools) and adds a text prompt's special tokens
+        as its completions route does; `truncate_prompt_tokens` keeps the prompt's last ones."""
+        if request.prompt_token_ids is not None:
+            count = len(request.prompt_token_ids)
+        else:
+            fields = CHAT_TOKENIZE_FIELDS if request.messages is not None else ("add_special_tokens",)
+            body = {k: request.extra[k] for k in fields if k in request.extra} | {"model": self.config.model}
+            body |= {"messages": request.messages} if request.messages is not None else {"prompt": request.prompt}
+            async with self.client.post("/tokenize", json=body) as response:
+                if response.status != 200:
+                    raise self.error_for_status(response.status, await response.read())
+                count = int((await response.json(content_type=None))["count"])
+        keep = request.extra.get("truncate_prompt_tokens")
+        return min(count, keep) if isinstance(keep, int) and keep > 0 else count
 
     async def tokenize(self, text: str) -> list[TokenSpan]:
         """vLLM's `/tokenize` (`vllm/entrypoints/serve/tokenize/protocol.py`): ids and, with

@@ -9,8 +9,10 @@ rotation at once, not when a long request that failed over finishes.
 
 The completion tokens of an outcome are what the client was sent, whatever the backend reports:
 token ids where the backend gives them, else at least one token per streamed piece; the
-backend's own usage counts only when it is higher. A stream that never finished (client gone,
-backend died) keeps the text it sent, for the gateway to have it tokenized.
+backend's own usage counts only when it is higher. A request that ended without the backend's
+usage (client gone, backend died) keeps what it sent, for the gateway to have its backend count
+the prompt and the text. A request refused or failed before any answer, or one whose client left
+before it reached a backend, uses nothing and bills nothing.
 """
 
 from __future__ import annotations
@@ -86,8 +88,9 @@ class Outcome:
     reservation: Reservation | None
     price: Price | None = None  # of the model that answered; None: unpriced (free)
     text: str = ""  # choice 0's text, kept when a shadow compares
-    # What an unfinished stream sent without token ids, for the gateway to have it tokenized;
-    # `usage` holds an estimate until then.
+    # What a request that ended without the backend's usage sent, for the gateway to have its
+    # backend count the prompt and tokenize the text sent without token ids; `usage` holds
+    # estimates until then.
     recount: Received | None = None
 
     @property
@@ -331,9 +334,11 @@ class Call:
                 completion = min(completion, self.greq.max_tokens * self.greq.n)
             # never more cached than the prompt held: cached tokens priced below input ones would bill less than nothing
             usage = Usage(prompt, max(completion, received.floor), min(_count(reported.cached_tokens), prompt))
+        elif not self.answered and (status == "error" or not self.tried):
+            usage = Usage(0, 0)  # refused or failed before any answer, or gone before reaching a backend
         else:
             usage = Usage(self.prompt_tokens, received.estimate())
-            recount = received if received.texts else None
+            recount = received
         return Outcome(
             request=self.greq, principal=self.principal, decision=self.decision, api=self.api,
             stream=self.stream, status=status, error=error, usage=usage,

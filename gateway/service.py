@@ -166,15 +166,22 @@ class Gateway:
             await budgets.alert(crossing, self.settings.budget_webhook_url)
 
     async def _settle_recounted(self, outcome: Outcome) -> None:
-        """The unfinished stream's text tokenized by its backend where it can; else the estimate
-        stands. Never below one token per piece the client was sent."""
-        usage = outcome.usage
+        """A request that ended without its backend's usage, counted by the backend where it can:
+        the prompt as the runtime counts it, the text sent without token ids tokenized; else the
+        estimates stand. Never below one token per piece the client was sent."""
+        usage, recount = outcome.usage, outcome.recount
         backend = self.router.by_name.get(outcome.backend)
-        with contextlib.suppress(Exception):  # the estimate stands
-            if backend is not None and (await backend.capabilities()).tokenize:
+        if backend is not None:
+            with contextlib.suppress(Exception):  # the reservation's count stands
                 async with asyncio.timeout(RECOUNT_TIMEOUT_S):
-                    counts = [len(await backend.tokenize(text)) for text in outcome.recount.choice_texts()]
-                usage = dataclasses.replace(usage, completion_tokens=outcome.recount.counted(sum(counts)))
+                    prompt = await backend.exact_prompt_tokens(outcome.request)
+                if prompt is not None:
+                    usage = dataclasses.replace(usage, prompt_tokens=prompt)
+            with contextlib.suppress(Exception):  # the estimate stands
+                if recount.texts and (await backend.capabilities()).tokenize:
+                    async with asyncio.timeout(RECOUNT_TIMEOUT_S):
+                        counts = [len(await backend.tokenize(text)) for text in recount.choice_texts()]
+                    usage = dataclasses.replace(usage, completion_tokens=recount.counted(sum(counts)))
         self._record(dataclasses.replace(outcome, usage=usage, recount=None))
 
     # -- routes -------------------------------------------------------------------------------

@@ -62,6 +62,7 @@ class Target:
     reports_prompt_tokens: bool = True
     reports_cached_tokens: bool = False  # prefix-cache hits in its usage (what the ledger bills at the cached price)
     isolates_prefixes: bool = False  # a request's cache salt keeps its prefixes from other salts'
+    counts_prompts: tuple[bool, bool] = (False, False)  # `exact_prompt_tokens` answers for (text, chat)
     tokenized: str = PROMPT  # a replayed runtime tokenizes only the text it recorded
     replayed: bool = False  # a fixture: it answers what it recorded, whatever the prompt
 
@@ -82,18 +83,19 @@ def target_of(kind: str, request):
         url = f"http://127.0.0.1:{port}"
         with server_process(command, url, "/v1/models"):
             config = llama_server_config(url, "smollm2", python_server=True, max_context=2048)
-            yield Target(LlamaCppServerBackend(config, name="llama-cpp"), reports_prompt_tokens=False)
+            yield Target(LlamaCppServerBackend(config, name="llama-cpp"), reports_prompt_tokens=False,
+                         counts_prompts=(True, False))
     elif kind == "llama-server":
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         provisioned_or_skip(llama_server)
         with server_process(llama_server_command(default_model_path(), port, "smollm2"), url, "/health"):
             yield Target(LlamaCppServerBackend(llama_server_config(url, "smollm2"), name="llama-server"),
-                         reports_cached_tokens=True)
+                         reports_cached_tokens=True, counts_prompts=(True, True))
     elif kind == "vllm":
         url = request.getfixturevalue("vllm_url")  # the run's one vLLM server, in float32
         yield Target(VLLMBackend(OpenAICompatConfig(base_url=url, model="smollm2")), reports_cached_tokens=True,
-                     isolates_prefixes=True)
+                     isolates_prefixes=True, counts_prompts=(True, True))
     elif kind in ("sglang-fixture", "tgi-fixture"):
         runtime = kind.removesuffix("-fixture")
         fixture = json.loads(next((Path(__file__).parent / "fixtures").glob(f"{runtime}-*.json")).read_text())
@@ -191,6 +193,28 @@ def test_a_repeated_prompt_reports_the_tokens_its_cache_served(target):
         assert usage.cached_tokens == 0
     if target.isolates_prefixes:
         assert elsewhere.cached_tokens == 0
+
+
+def test_a_prompt_is_counted_as_the_runtime_bills_it(target):
+    """What the gateway asks a runtime for a request that ended without its usage (client gone,
+    runtime died: `exact_prompt_tokens`) is the prompt count that runtime's own usage gives a
+    finished answer: a text prompt, and a chat through its template. vLLM and llama-server count
+    both; llama-cpp-python's server text only (it has no template route); others keep the
+    reservation's count (the built-in engine's is exact already)."""
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three rivers."}]
+
+    async def scenario():
+        counted, billed = [], []
+        for prompt in ({"prompt": PROMPT}, {"messages": chat}):
+            counted.append(await target.backend.exact_prompt_tokens(
+                GenerateRequest(request_id="count-me", model="m", max_tokens=2, **prompt)))
+            billed.append((await generated(target.backend, max_tokens=2, **prompt))[1].usage.prompt_tokens)
+        return counted, billed
+
+    counted, billed = run(target, scenario())
+    assert tuple(count is not None for count in counted) == target.counts_prompts
+    if target.reports_prompt_tokens and not target.replayed:
+        assert all(count == bill for count, bill in zip(counted, billed) if count is not None), (counted, billed)
 
 
 def test_errors_map_to_the_taxonomy(target):

@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 from advisor.bench import stub
 from backends.base import GenerateRequest
 from backends.openai_compat import OpenAICompatBackend, OpenAICompatConfig
+from backends.vllm import VLLMBackend
 
 from .conftest import (
     ADMIN_KEY,
@@ -178,6 +179,53 @@ def test_an_upstream_that_dies_mid_stream_bills_what_was_sent(tmp_path):
         deadline = time.monotonic() + 5
         while tokens_today(gw, tenant) != record["prompt_tokens"] + record["completion_tokens"]:
             assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+def test_a_client_that_leaves_a_vllm_chat_is_billed_the_prompt_vllm_counts(tmp_path, vllm_url):
+    """Against the real vLLM: a chat stream the client leaves ends without vLLM's usage, so its
+    prompt is counted again by vLLM's `/tokenize`: the same count vLLM's usage gives the finished
+    request (the reservation's bound, bytes plus a margin per message, billed 109 for its 27)."""
+    backend = VLLMBackend(OpenAICompatConfig(base_url=vllm_url, model="smollm2"), name="vllm")
+    app = gateway_app({"smollm2": backend}, tmp_path)
+    messages = [{"role": "system", "content": "You tell stories."},
+                {"role": "user", "content": "Tell a long story about a lighthouse keeper."}]
+    with serve_app(app) as url:
+        wait_ready(url)
+        gw = SimpleNamespace(url=url, gateway=app.state.gateway)
+        tenant, key = tenant_with_key(gw)
+        body = {"model": "smollm2", "messages": messages, "max_tokens": 300, "stream": True, "ignore_eos": True}
+        pieces = 0
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=bearer(key), timeout=60) as r:
+            for line in r.iter_lines():
+                pieces += line.startswith("data:") and '"content":"' in line and '"content":""' not in line
+                if pieces == 10:
+                    break
+        left = usage_records(url, tenant)[0]
+        done = openai.OpenAI(base_url=f"{url}/v1", api_key=key).chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=2)
+    assert left["status"] == "cancelled" and left["completion_tokens"] >= pieces == 10
+    assert left["prompt_tokens"] == done.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("status, answered", [(400, 400), (500, 502)])
+def test_a_request_refused_before_any_answer_bills_nothing(tmp_path, status, answered):
+    """An upstream that refuses a request (the client's fault) or fails before answering (its
+    own) served nothing: the ledger bills no tokens and no money, and the tenant's token window
+    gets its reservation back."""
+    price = {"input": 1, "output": 2}  # USD per million tokens
+    with gateway_over({"remote": openai_upstream(lambda path: [], status=status)}, tmp_path,
+                      prices={"remote": price}) as gw:
+        tenant, key = tenant_with_key(gw)
+        body = {"model": "remote", "messages": [{"role": "user", "content": "hello " * 200}], "max_tokens": 50}
+        refused = httpx.post(gw.url + "/v1/chat/completions", json=body, headers=bearer(key), timeout=30)
+        assert refused.status_code == answered
+        record = usage_records(gw.url, tenant)[0]
+        assert record["status"] == "error"
+        assert (record["prompt_tokens"], record["completion_tokens"], record["cost_nano_usd"]) == (0, 0, 0)
+        deadline = time.monotonic() + 5
+        while tokens_today(gw, tenant) != 0:  # the reservation (prompt + max_tokens) is released
+            assert time.monotonic() < deadline, tokens_today(gw, tenant)
             time.sleep(0.05)
 
 
