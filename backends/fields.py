@@ -25,11 +25,12 @@ OPENAI = frozenset({
 # (`constraints.respelled`).
 STRUCTURED = constraints.FIELDS - {"response_format"}
 
-# vLLM 0.32 `entrypoints/openai/{chat_completion,completion}/protocol.py`.
+# vLLM 0.32 `entrypoints/openai/{chat_completion,completion}/protocol.py`, minus `prompt_logprobs`,
+# which vLLM refuses in the streams its adapter asks for ("not available when `stream=True`").
 VLLM = OPENAI | STRUCTURED | {
     "min_p", "min_tokens", "repetition_penalty", "length_penalty", "skip_special_tokens",
     "spaces_between_special_tokens", "include_stop_str_in_output", "bad_words",
-    "allowed_token_ids", "prompt_logprobs", "return_tokens_as_token_ids", "chat_template_kwargs",
+    "allowed_token_ids", "return_tokens_as_token_ids", "chat_template_kwargs",
     "add_generation_prompt", "continue_final_message", "documents", "truncate_prompt_tokens", "add_special_tokens",
     "include_reasoning", "thinking_token_budget",
 }
