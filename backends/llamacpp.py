@@ -191,6 +191,26 @@ class LlamaCppServerBackend(OpenAICompatBackend):
         return await super().count_prompt_tokens(request)
 
 
+def _gguf_chat_formatter(llama):
+    """The formatter llama-cpp-python's `Llama` built for the chat template it chose from the GGUF
+    (`chat_format` "chat_template.default" or "chat_template.<name>"), made again from the same
+    template and special tokens; None where it chose a named format."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    name = (llama.chat_format or "").removeprefix("chat_template.")
+    if name == llama.chat_format:
+        return None
+    template = llama.metadata.get("tokenizer.chat_template" + ("" if name == "default" else f".{name}"))
+    if template is None:
+        return None
+
+    def text(token: int) -> str:
+        return llama.detokenize([token], special=True).decode(errors="replace") if token != -1 else ""
+
+    return Jinja2ChatFormatter(template, eos_token=text(llama.token_eos()), bos_token=text(llama.token_bos()),
+                               stop_token_ids=[llama.token_eos()])
+
+
 def check_sampling(request: GenerateRequest) -> None:
     """llama.cpp does not check sampling ranges (llama-server runs a top_p of 1.5 as no cut):
     its adapters refuse what OpenAI's API refuses."""
@@ -231,6 +251,7 @@ class LlamaCppBackend(Backend):
         self._free: asyncio.Queue | None = None
         self._slots: list[_Slot] = []
         self._waiting = 0
+        self._chat_formatter = None  # the GGUF's chat template, as llama-cpp-python renders it
 
     @property
     def path(self) -> Path:
@@ -258,6 +279,7 @@ class LlamaCppBackend(Backend):
         for _ in range(c.slots):
             thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama-cpp-slot")
             self._slots.append(_Slot(await loop.run_in_executor(thread, load), thread))
+        self._chat_formatter = _gguf_chat_formatter(self._slots[0].llama)
         self._free = asyncio.Queue()
         for slot in self._slots:
             self._free.put_nowait(slot)
@@ -312,7 +334,7 @@ class LlamaCppBackend(Backend):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancelled = threading.Event()
-        prompt_tokens = len(slot.llama.tokenize(request.prompt.encode(), add_bos=True)) if request.prompt else 0
+        prompt_tokens = self._prompt_tokens(request) or 0
         worker = loop.run_in_executor(slot.thread, self._run, slot.llama, request,
                                       lambda item: loop.call_soon_threadsafe(queue.put_nowait, item), cancelled)
         worker.add_done_callback(lambda _: self._free.put_nowait(slot))  # free once its thread lets go
@@ -352,7 +374,20 @@ class LlamaCppBackend(Backend):
         ids = llama.tokenize(text.encode(), add_bos=False)
         return spans(text, ids, [llama.detokenize([token]) for token in ids])
 
+    def _prompt_tokens(self, request: GenerateRequest) -> int | None:
+        """The prompt's tokens as llama-cpp-python makes them: a text with BOS where the model adds
+        one; a chat as its handler for a GGUF's own template does (`llama_chat_format.
+        chat_formatter_to_chat_completion_handler`, 0.3.36: the template rendered by
+        `Jinja2ChatFormatter`, which adds the special tokens itself, then tokenized with special
+        tokens parsed). None for a chat in one of its named formats, whose formatters it keeps."""
+        llama = self._slots[0].llama  # the vocabulary is read-only: any slot counts
+        if request.prompt is not None:
+            return len(llama.tokenize(request.prompt.encode(), add_bos=True))
+        if request.messages is None or self._chat_formatter is None:
+            return None
+        rendered = self._chat_formatter(messages=request.messages)
+        return len(llama.tokenize(rendered.prompt.encode(), add_bos=not rendered.added_special, special=True))
+
     async def count_prompt_tokens(self, request: GenerateRequest) -> int:
-        if request.prompt is not None and self._slots:
-            return len(self._slots[0].llama.tokenize(request.prompt.encode(), add_bos=True))
-        return await super().count_prompt_tokens(request)
+        count = self._prompt_tokens(request) if self._slots else None
+        return count if count is not None else await super().count_prompt_tokens(request)

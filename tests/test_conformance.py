@@ -75,7 +75,7 @@ def target_of(kind: str, request):
         yield Target(backend, backend.engine, reports_cached_tokens=True, isolates_prefixes=True)
         asyncio.run(backend.close())
     elif kind == "llama-cpp":
-        yield Target(LlamaCppBackend(LlamaCppConfig(slots=2, n_ctx=2048)), reports_prompt_tokens=False)
+        yield Target(LlamaCppBackend(LlamaCppConfig(slots=2, n_ctx=2048)))
     elif kind == "llama-cpp-server":
         port = free_port()
         command = [sys.executable, "-m", "llama_cpp.server", "--model", str(default_model_path()), "--port",
@@ -215,6 +215,33 @@ def test_a_prompt_is_counted_as_the_runtime_bills_it(target):
     assert tuple(count is not None for count in counted) == target.counts_prompts
     if target.reports_prompt_tokens and not target.replayed:
         assert all(count == bill for count, bill in zip(counted, billed) if count is not None), (counted, billed)
+
+
+def test_llama_cpp_in_process_counts_prompts_as_llama_cpp_python_does():
+    """llama-cpp-python streams no usage, so llama.cpp in process counts each prompt itself: the
+    same count llama-cpp-python's own answer gives without streaming, a text and chats through
+    the GGUF's template (a system turn, several turns, text beyond ASCII)."""
+    chats = [[{"role": "user", "content": "hello there"}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three rivers."}],
+             [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello!"},
+              {"role": "user", "content": "¿Qué tal? 日本語 😀"}]]
+    backend = LlamaCppBackend(LlamaCppConfig(slots=1, n_ctx=2048))
+
+    async def scenario():
+        await backend.start()
+        try:
+            llama = backend._slots[0].llama
+            ours = [(await generated(backend, prompt=PROMPT, max_tokens=1))[1].usage.prompt_tokens]
+            theirs = [llama.create_completion(PROMPT, max_tokens=1, temperature=0)["usage"]["prompt_tokens"]]
+            for chat in chats:
+                ours.append((await generated(backend, messages=chat, max_tokens=1))[1].usage.prompt_tokens)
+                theirs.append(llama.create_chat_completion(chat, max_tokens=1, temperature=0)["usage"]["prompt_tokens"])
+            return ours, theirs
+        finally:
+            await backend.close()
+
+    ours, theirs = asyncio.run(scenario())
+    assert ours == theirs and min(ours) >= 5
 
 
 def test_errors_map_to_the_taxonomy(target):
