@@ -4,6 +4,7 @@ is written to the audit log (who, what, before, after) in the same transaction."
 from __future__ import annotations
 
 import csv
+import dataclasses
 import getpass
 import io
 from datetime import UTC, datetime, timedelta
@@ -282,6 +283,18 @@ class UsageSeries(BaseModel):
     truncated: bool = Field(description="More records than one request reads: narrow the range.")
 
 
+@dataclasses.dataclass
+class _Cell:
+    """One bucket of one group, summed as the records are read."""
+
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost_nano_usd: int = 0
+    ttfts: list[float] = dataclasses.field(default_factory=list)
+
+
 def usage_series(session: Session, tenant: str | None, since: datetime, until: datetime,
                  bucket: Bucket, by: GroupBy) -> UsageSeries:
     """Usage over time, per bucket and group: requests, errors, tokens, cost, TTFT p50 and p95."""
@@ -294,23 +307,24 @@ def usage_series(session: Session, tenant: str | None, since: datetime, until: d
                                UsageRecord.completion_tokens, UsageRecord.cost_nano_usd, UsageRecord.ttft_ms)
                         .where(*conditions).order_by(col(UsageRecord.started_at)).limit(SERIES_MAX_ROWS + 1)).all()
     width = BUCKETS[bucket]
-    cells: dict[tuple[str, int], list] = {}
+    cells: dict[tuple[str, int], _Cell] = {}
     for name, started, status, prompt, completion, cost, ttft in rows[:SERIES_MAX_ROWS]:
         start = int(as_utc(started).timestamp()) // width * width
-        cell = cells.setdefault((name or "", start), [0, 0, 0, 0, 0, []])
-        cell[0] += 1
-        cell[1] += status == "error"
-        cell[2] += prompt
-        cell[3] += completion
-        cell[4] += cost
+        cell = cells.setdefault((name or "", start), _Cell())
+        cell.requests += 1
+        cell.errors += status == "error"
+        cell.prompt_tokens += prompt
+        cell.completion_tokens += completion
+        cell.cost_nano_usd += cost
         if ttft is not None:
-            cell[5].append(ttft)
+            cell.ttfts.append(ttft)
     series: dict[str, list[SeriesPoint]] = {}
-    for (name, start), (requests, errors, prompt, completion, cost, ttfts) in sorted(cells.items()):
+    for (name, start), cell in sorted(cells.items(), key=lambda item: item[0]):
         series.setdefault(name, []).append(SeriesPoint(
-            at=datetime.fromtimestamp(start, UTC), requests=requests, errors=errors, prompt_tokens=prompt,
-            completion_tokens=completion, cost_usd=usd(cost), ttft_p50_ms=percentile(ttfts, 50),
-            ttft_p95_ms=percentile(ttfts, 95)))
+            at=datetime.fromtimestamp(start, UTC), requests=cell.requests, errors=cell.errors,
+            prompt_tokens=cell.prompt_tokens, completion_tokens=cell.completion_tokens,
+            cost_usd=usd(cell.cost_nano_usd), ttft_p50_ms=percentile(cell.ttfts, 50),
+            ttft_p95_ms=percentile(cell.ttfts, 95)))
     return UsageSeries(bucket=bucket, by=by, since=since, until=until,
                        series=[Series(group=name, points=points) for name, points in series.items()],
                        truncated=len(rows) > SERIES_MAX_ROWS)
