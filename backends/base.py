@@ -192,6 +192,26 @@ class UpstreamError(BackendError):
     retryable = True
 
 
+def text_only(messages: list[dict]) -> list[dict]:
+    """Chat messages with their OpenAI content parts joined into plain text, for a runtime that
+    reads only strings (a GGUF's template concatenates `content`); any part but text is refused
+    by name, as the client's."""
+    plain = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise InvalidRequest(f"content part of type {kind!r} is not supported by this model",
+                                         param="messages")
+                texts.append(part.get("text", ""))
+            message = {**message, "content": "".join(texts)}
+        plain.append(message)
+    return plain
+
+
 def servegate_version() -> str:
     try:
         return version("servegate")

@@ -19,7 +19,7 @@ import os
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +42,14 @@ from .base import (
     Unavailable,
     UpstreamError,
     Usage,
+    text_only,
 )
 from .cpu import llama_cpp_safe
 from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_for, error_parts
 from .tokenization import spans
+
+# llama-server's media content parts and the `/props` modality each needs (`server-common.cpp`).
+MEDIA_MODALITIES = {"image_url": "vision", "input_audio": "audio", "input_video": "video", "video_url": "video"}
 
 
 def llama_server_config(base_url: str, model: str, python_server: bool = False, **options) -> OpenAICompatConfig:
@@ -86,6 +90,8 @@ class LlamaCppServerBackend(OpenAICompatBackend):
         path, body = super()._body(request)
         if not self.python_server:
             body.setdefault("cache_prompt", True)
+        elif request.messages is not None:  # its template reads strings only
+            body["messages"] = text_only(request.messages)
         return path, body
 
     async def load(self) -> Load:
@@ -125,6 +131,7 @@ class LlamaCppServerBackend(OpenAICompatBackend):
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         check_sampling(request)
+        self._check_media(request)
         produced = False
         try:
             async for event in super().generate(request):
@@ -134,6 +141,23 @@ class LlamaCppServerBackend(OpenAICompatBackend):
             if produced:
                 raise
             raise await self._diagnose(request, exc) from exc
+
+    def _check_media(self, request: GenerateRequest) -> None:
+        """llama-server answers a content part whose modality it has no projector for with a 500
+        (`oaicompat_content_load_media`, `server-common.cpp`), which would count against its
+        breaker as its own failure: refused here, by name, as the client's, where `/props` says
+        which modalities it serves."""
+        modalities = self.props.get("modalities")
+        if not isinstance(modalities, dict) or request.messages is None:
+            return
+        for message in request.messages:
+            content = message.get("content")
+            for part in content if isinstance(content, list) else ():
+                kind = part.get("type") if isinstance(part, dict) else None
+                modality = MEDIA_MODALITIES.get(kind)
+                if modality is not None and not modalities.get(modality):
+                    raise InvalidRequest(f"content part of type {kind!r} is not supported by this model "
+                                         f"(llama-server has no {modality} projector loaded)", param="messages")
 
     async def _diagnose(self, request: GenerateRequest, error: UpstreamError) -> BackendError:
         """Why a stream came back empty: a prompt too long for the context, or `error`. Where the
@@ -326,6 +350,8 @@ class LlamaCppBackend(Backend):
         if self._free is None:
             raise Unavailable("the model is still loading")
         self._check(request)
+        if request.messages is not None:  # a GGUF's template reads strings only
+            request = replace(request, messages=text_only(request.messages))
         self._waiting += 1
         try:
             slot = await self._free.get()
@@ -385,7 +411,7 @@ class LlamaCppBackend(Backend):
             return len(llama.tokenize(request.prompt.encode(), add_bos=True))
         if request.messages is None or self._chat_formatter is None:
             return None
-        rendered = self._chat_formatter(messages=request.messages)
+        rendered = self._chat_formatter(messages=text_only(request.messages))
         return len(llama.tokenize(rendered.prompt.encode(), add_bos=not rendered.added_special, special=True))
 
     async def count_prompt_tokens(self, request: GenerateRequest) -> int:

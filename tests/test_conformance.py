@@ -257,6 +257,26 @@ def test_errors_map_to_the_taxonomy(target):
     assert caps.max_context >= 2048
 
 
+def test_content_parts_text_is_read_and_media_a_text_model_cannot_read_is_the_clients_error(target):
+    """OpenAI content parts: text parts are read as text on every runtime (llama-cpp-python's
+    templates concatenate strings only: they get them joined); an image part sent to the
+    text-only default model is refused as the client's mistake (`InvalidRequest`, a 400), never
+    reported as the runtime's own failure, which would count against its circuit breaker and
+    turn every tenant's traffic away (llama-server says 500, llama-cpp-python fails in its template)."""
+    if target.replayed:
+        pytest.skip("a replayed runtime answers what it recorded, whatever the request")
+    question = {"type": "text", "text": "What is the capital of France?"}
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    parts, _ = run(target, generated(target.backend, messages=[{"role": "user", "content": [question]}],
+                                     max_tokens=8))
+    plain, _ = run(target, generated(target.backend, messages=[{"role": "user", "content": question["text"]}],
+                                     max_tokens=8))
+    assert parts == plain
+    with pytest.raises(InvalidRequest):
+        run(target, generated(target.backend, messages=[{"role": "user", "content": [image, question]}],
+                              max_tokens=4))
+
+
 def test_closing_the_stream_cancels_the_request(target):
     async def scenario():
         request = GenerateRequest(request_id="cancel-me", model="m", prompt="Write a very long story about a cat.",

@@ -24,6 +24,7 @@ from ..base import (
     Unavailable,
     Usage,
     servegate_version,
+    text_only,
 )
 from ..constraints import constraint_of
 from . import logprobs, tools
@@ -166,7 +167,7 @@ class BuiltinBackend(Backend):
         if request.prompt is not None:
             return tokenizer.encode(request.prompt)
         template_speaks_tools = tools.OPEN in (getattr(tokenizer, "chat_template", None) or "")
-        messages, template_fields = tools.render([_plain_message(m) for m in request.messages],
+        messages, template_fields = tools.render(text_only(request.messages),
                                                  ToolUse.of(request.extra), template_speaks_tools)
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
@@ -328,17 +329,3 @@ def _grammar(extra: dict, tool_use: ToolUse | None):
         except ValueError as exc:
             raise InvalidRequest(f"{constraint.source}: {exc}", param=constraint.source) from exc
     return constraint
-
-
-def _plain_message(message: dict) -> dict:
-    """OpenAI content parts -> plain text; anything but text is refused by name."""
-    content = message.get("content")
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise InvalidRequest(f"content part of type {kind!r} is not supported by this model", param="messages")
-            texts.append(part.get("text", ""))
-        message = {**message, "content": "".join(texts)}
-    return message
