@@ -192,6 +192,9 @@ class UpstreamError(BackendError):
     retryable = True
 
 
+MAX_LOGPROBS = 20  # top log-probabilities a token may carry: OpenAI's top_logprobs cap, vLLM's default --max-logprobs
+
+
 def text_only(messages: list[dict]) -> list[dict]:
     """Chat messages with their OpenAI content parts joined into plain text, for a runtime that
     reads only strings (a GGUF's template concatenates `content`); any part but text is refused

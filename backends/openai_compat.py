@@ -167,6 +167,8 @@ class OpenAICompatBackend(Backend):
             raise BackendTimeout(f"{self.name}: no answer within {self.config.timeouts.first_byte:g} s") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"{self.name}: {type(exc).__name__}: {exc}") from exc
+        except aiohttp.http_exceptions.LineTooLong as exc:  # not a ClientError
+            raise UpstreamError(f"{self.name}: an event longer than {exc.args[1]} bytes") from exc
         except ValueError as exc:
             raise UpstreamError(f"{self.name}: an event is not JSON: {exc}") from exc
 

@@ -330,6 +330,20 @@ def test_a_client_that_leaves_before_the_first_token_is_recorded_cancelled_witho
         assert not errors_logged, [r.getMessage() for r in errors_logged]
 
 
+def test_an_upstream_event_too_long_to_read_is_a_502_not_a_gateway_error(tmp_path, errors_logged):
+    """An event longer than the adapter reads as one line (llama-server sends megabytes a token
+    when asked for a whole vocabulary's log-probabilities) ends the call as the upstream's
+    failure, a 502 that says so; the gateway logs no error of its own."""
+    huge = piece("x" * 600_000)
+    with gateway_over({"remote": openai_upstream(lambda path: [huge])}, tmp_path) as gw:
+        tenant, key = tenant_with_key(gw)
+        answer = httpx.post(gw.url + "/v1/completions", json={"model": "remote", "prompt": "hi", "max_tokens": 5},
+                            headers=bearer(key), timeout=30)
+        assert usage_records(gw.url, tenant)[0]["status"] == "error"
+    assert answer.status_code == 502 and "an event longer than" in answer.json()["error"]["message"]
+    assert not errors_logged, [r.getMessage() for r in errors_logged]
+
+
 # -- administration ---------------------------------------------------------------------------
 def test_a_tenant_administrator_reaches_only_its_own_tenant(tmp_path):
     with gateway_over({"remote": openai_upstream(lambda path: answer(count=2))}, tmp_path) as gw:

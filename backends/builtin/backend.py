@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .. import fields
 from ..base import (
+    MAX_LOGPROBS,
     Backend,
     Capabilities,
     ContextTooLong,
@@ -39,7 +40,6 @@ from .tools import ToolCallParser, ToolUse
 log = logging.getLogger("servegate.builtin")
 
 MAX_N = 16
-MAX_LOGPROBS = 20  # as vLLM's default --max-logprobs and OpenAI's top_logprobs cap
 COUNTED_KEPT = 1024  # counted prompts awaiting their generate()
 
 
