@@ -49,8 +49,13 @@ from .cpu import llama_cpp_safe
 from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_for, error_parts
 from .tokenization import spans
 
-# llama-server's media content parts and the `/props` modality each needs (`server-common.cpp`).
-MEDIA_MODALITIES = {"image_url": "vision", "input_audio": "audio", "input_video": "video", "video_url": "video"}
+# What llama.cpp's servers answer with a 500 though the request is at fault, which would count
+# against their breaker as their own failure: llama-cpp-python's server's pydantic "validation
+# error"; llama-server's chat parser wraps a malformed message or tool in a runtime error
+# (`common/chat.cpp`), and its media loader refuses a modality it has no projector for or an
+# image it cannot fetch or decode (`tools/server/server-common.cpp`).
+CLIENT_FAULTS_SENT_AS_500 = ("validation error", "Failed to parse messages", "Failed to parse tools",
+                             "input is not supported", "Failed to download image", "Invalid base64 value")
 
 
 def llama_server_config(base_url: str, model: str, python_server: bool = False, **options) -> OpenAICompatConfig:
@@ -122,7 +127,7 @@ class LlamaCppServerBackend(OpenAICompatBackend):
 
     def error_for_status(self, status: int, body: bytes) -> BackendError:
         message, kind = error_parts(body)
-        if status == 500 and "validation error" in message:  # the client's fault, reported as the server's
+        if status == 500 and any(fault in message for fault in CLIENT_FAULTS_SENT_AS_500):
             return InvalidRequest(message)
         return error_for(status, message, kind)
 
@@ -132,7 +137,6 @@ class LlamaCppServerBackend(OpenAICompatBackend):
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         check_sampling(request)
-        self._check_media(request)
         produced = False
         try:
             async for event in super().generate(request):
@@ -142,23 +146,6 @@ class LlamaCppServerBackend(OpenAICompatBackend):
             if produced:
                 raise
             raise await self._diagnose(request, exc) from exc
-
-    def _check_media(self, request: GenerateRequest) -> None:
-        """llama-server answers a content part whose modality it has no projector for with a 500
-        (`oaicompat_content_load_media`, `server-common.cpp`), which would count against its
-        breaker as its own failure: refused here, by name, as the client's, where `/props` says
-        which modalities it serves."""
-        modalities = self.props.get("modalities")
-        if not isinstance(modalities, dict) or request.messages is None:
-            return
-        for message in request.messages:
-            content = message.get("content")
-            for part in content if isinstance(content, list) else ():
-                kind = part.get("type") if isinstance(part, dict) else None
-                modality = MEDIA_MODALITIES.get(kind)
-                if modality is not None and not modalities.get(modality):
-                    raise InvalidRequest(f"content part of type {kind!r} is not supported by this model "
-                                         f"(llama-server has no {modality} projector loaded)", param="messages")
 
     async def _diagnose(self, request: GenerateRequest, error: UpstreamError) -> BackendError:
         """Why a stream came back empty: a prompt too long for the context, or `error`. Where the

@@ -261,12 +261,13 @@ def test_errors_map_to_the_taxonomy(target):
     assert caps.max_context >= 2048
 
 
-def test_content_parts_text_is_read_and_media_a_text_model_cannot_read_is_the_clients_error(target):
+def test_content_parts_are_read_and_what_a_model_cannot_read_is_the_clients_error(target):
     """OpenAI content parts: text parts are read as text on every runtime (llama-cpp-python's
-    templates concatenate strings only: they get them joined); an image part sent to the
-    text-only default model is refused as the client's mistake (`InvalidRequest`, a 400), never
-    reported as the runtime's own failure, which would count against its circuit breaker and
-    turn every tenant's traffic away (llama-server says 500, llama-cpp-python fails in its template)."""
+    templates concatenate strings only: they get them joined). An image part sent to the
+    text-only default model, or an earlier turn's malformed tool calls, are the client's mistake
+    (`InvalidRequest`, a 400) or ignored, never reported as the runtime's own failure, which
+    would count against its circuit breaker and turn every tenant's traffic away (llama-server
+    answers both with a 500; llama-cpp-python failed in its template)."""
     if target.replayed:
         pytest.skip("a replayed runtime answers what it recorded, whatever the request")
     question = {"type": "text", "text": "What is the capital of France?"}
@@ -279,6 +280,10 @@ def test_content_parts_text_is_read_and_media_a_text_model_cannot_read_is_the_cl
     with pytest.raises(InvalidRequest):
         run(target, generated(target.backend, messages=[{"role": "user", "content": [image, question]}],
                               max_tokens=4))
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": "bad"},
+             {"role": "user", "content": "and?"}]
+    with contextlib.suppress(InvalidRequest):  # a template that reads no tool calls answers
+        run(target, generated(target.backend, messages=turns, max_tokens=2))
 
 
 def test_closing_the_stream_cancels_the_request(target):

@@ -137,6 +137,12 @@ def test_bad_inputs_get_clear_openai_errors(base_url, client):
     bad_stream = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x " * 9000, "stream": True},
                             headers=AUTH)
     assert bad_stream.status_code == 400 and bad_stream.json()["error"]["code"] == "context_length_exceeded"
+    for calls in ("bad", [{"function": "f"}], [{"type": "function"}]):  # an earlier turn's malformed tool calls
+        turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": calls},
+                 {"role": "user", "content": "and?"}]
+        malformed = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": turns, "max_tokens": 2},
+                               headers=AUTH)
+        assert malformed.status_code == 400 and "tool_calls" in malformed.json()["error"]["message"], malformed.text
 
 
 def test_text_that_is_not_unicode_and_numbers_no_runtime_takes_are_400s(base_url):

@@ -139,8 +139,9 @@ def render(messages: list[dict], tool_use: ToolUse | None, template_speaks_tools
             rendered.append({"role": "user", "content": f"<tool_response>\n{message.get('content') or ''}\n"
                                                         "</tool_response>"})
         elif role == "assistant" and message.get("tool_calls"):
-            calls = "\n".join(f"{OPEN}\n{json.dumps({'name': call['function']['name'], 'arguments': _arguments(call)})}"
-                              f"\n{CLOSE}" for call in message["tool_calls"])
+            functions = [call["function"] for call in _earlier_calls(message)]
+            calls = "\n".join(f"{OPEN}\n{json.dumps({'name': f['name'], 'arguments': f['arguments']})}\n{CLOSE}"
+                               for f in functions)
             rendered.append({"role": "assistant", "content": "\n".join(filter(None, [message.get("content"), calls]))})
         else:
             rendered.append({k: v for k, v in message.items() if k in ("role", "content")})
@@ -152,8 +153,20 @@ def render(messages: list[dict], tool_use: ToolUse | None, template_speaks_tools
     return rendered, {}
 
 
-def _arguments(call: dict):
-    arguments = (call.get("function") or {}).get("arguments") or "{}"
+def _earlier_calls(message: dict) -> list[dict]:
+    """An assistant message's `tool_calls`, their arguments as objects (OpenAI sends them as JSON
+    strings; templates read objects); refused, as the client's, where malformed."""
+    calls = message["tool_calls"]
+    if not isinstance(calls, list) or not all(
+            isinstance(call, dict) and isinstance(call.get("function"), dict)
+            and isinstance(call["function"].get("name"), str) for call in calls):
+        raise InvalidRequest('an assistant message\'s tool_calls must be a list of {"type": "function", '
+                             '"function": {"name": ..., "arguments": ...}}', param="messages")
+    return [{**call, "function": {**call["function"], "arguments": _arguments(call["function"])}} for call in calls]
+
+
+def _arguments(function: dict):
+    arguments = function.get("arguments") or "{}"
     try:
         return json.loads(arguments) if isinstance(arguments, str) else arguments
     except ValueError:
@@ -161,12 +174,8 @@ def _arguments(call: dict):
 
 
 def _with_argument_objects(message: dict) -> dict:
-    """HF templates read a call's arguments as an object; OpenAI sends them as a JSON string."""
-    if not message.get("tool_calls"):
-        return message
-    calls = [{**call, "function": {**call["function"], "arguments": _arguments(call)}}
-             for call in message["tool_calls"]]
-    return {**message, "tool_calls": calls}
+    """HF templates read a call's arguments as an object."""
+    return {**message, "tool_calls": _earlier_calls(message)} if message.get("tool_calls") else message
 
 
 class ToolCallParser:
