@@ -224,13 +224,18 @@ def _gguf_chat_formatter(llama):
 
 
 def check_sampling(request: GenerateRequest) -> None:
-    """llama.cpp does not check sampling ranges (llama-server runs a top_p of 1.5 as no cut) nor
-    cap log-probabilities (asked for 100,000, llama-server sends the whole vocabulary's with every
-    token, megabytes each): its adapters refuse what OpenAI's API refuses."""
+    """llama.cpp does not check sampling ranges (llama-server runs a top_p of 1.5 as no cut, a
+    presence penalty of 100 as given) nor cap log-probabilities (asked for 100,000, llama-server
+    sends the whole vocabulary's with every token, megabytes each): its adapters refuse what
+    OpenAI's API refuses."""
     if request.temperature < 0:
         raise InvalidRequest("temperature must be >= 0", param="temperature")
     if not 0 < request.top_p <= 1:
         raise InvalidRequest("top_p must be in (0, 1]", param="top_p")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = request.extra.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not -2 <= value <= 2:
+            raise InvalidRequest(f"{name} must be in [-2, 2], got {value}", param=name)
     for name in ("top_logprobs", "logprobs", "n_probs"):  # chat's `logprobs` is a switch, not a count
         value = request.extra.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= MAX_LOGPROBS:

@@ -251,10 +251,11 @@ def test_errors_map_to_the_taxonomy(target):
             await generated(target.backend, prompt="hello " * (caps.max_context + 50), max_tokens=4)
         with pytest.raises(InvalidRequest):
             await generated(target.backend, prompt=PROMPT, max_tokens=4, temperature=1.0, top_p=1.5)
-        if not target.replayed:  # a vocabulary's log-probabilities with every token: OpenAI caps them at 20
-            with pytest.raises(InvalidRequest):
-                await generated(target.backend, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                extra={"logprobs": True, "top_logprobs": 100_000})
+        if not target.replayed:  # a vocabulary's log-probabilities with every token, a penalty beyond OpenAI's range
+            for extra in ({"logprobs": True, "top_logprobs": 100_000}, {"presence_penalty": 100}):
+                with pytest.raises(InvalidRequest):
+                    await generated(target.backend, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                    extra=extra)
         return caps
 
     caps = run(target, scenario())
