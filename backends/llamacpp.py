@@ -223,6 +223,11 @@ def _gguf_chat_formatter(llama):
                                stop_token_ids=[llama.token_eos()])
 
 
+# OpenAI's ranges for request fields llama.cpp takes unchecked.
+OPENAI_RANGES = {"presence_penalty": (-2, 2), "frequency_penalty": (-2, 2), "top_logprobs": (0, MAX_LOGPROBS),
+                 "logprobs": (0, MAX_LOGPROBS), "n_probs": (0, MAX_LOGPROBS)}
+
+
 def check_sampling(request: GenerateRequest) -> None:
     """llama.cpp does not check sampling ranges (llama-server runs a top_p of 1.5 as no cut, a
     presence penalty of 100 as given) nor cap log-probabilities (asked for 100,000, llama-server
@@ -232,14 +237,10 @@ def check_sampling(request: GenerateRequest) -> None:
         raise InvalidRequest("temperature must be >= 0", param="temperature")
     if not 0 < request.top_p <= 1:
         raise InvalidRequest("top_p must be in (0, 1]", param="top_p")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = request.extra.get(name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not -2 <= value <= 2:
-            raise InvalidRequest(f"{name} must be in [-2, 2], got {value}", param=name)
-    for name in ("top_logprobs", "logprobs", "n_probs"):  # chat's `logprobs` is a switch, not a count
-        value = request.extra.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= MAX_LOGPROBS:
-            raise InvalidRequest(f"{name} must be from 0 to {MAX_LOGPROBS}, got {value}", param=name)
+    for name, (low, high) in OPENAI_RANGES.items():
+        value = request.extra.get(name)  # chat's `logprobs` is a switch (a bool), not a count
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not low <= value <= high:
+            raise InvalidRequest(f"{name} must be in [{low}, {high}], got {value}", param=name)
 
 
 @dataclass
