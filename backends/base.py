@@ -198,7 +198,9 @@ MAX_LOGPROBS = 20  # top log-probabilities a token may carry: OpenAI's top_logpr
 def text_only(messages: list[dict]) -> list[dict]:
     """Chat messages with their OpenAI content parts joined into plain text, for a runtime that
     reads only strings (a GGUF's template concatenates `content`); any part but text is refused
-    by name, as the client's."""
+    by name, as the client's. Parts are joined by a newline, as vLLM
+    (`vllm/renderers/chat_utils.py`) and llama-server (`common/chat.cpp`) join them for a
+    template that reads strings: one conversation is then one prompt on every backend."""
     plain = []
     for message in messages:
         content = message.get("content")
@@ -210,7 +212,7 @@ def text_only(messages: list[dict]) -> list[dict]:
                     raise InvalidRequest(f"content part of type {kind!r} is not supported by this model",
                                          param="messages")
                 texts.append(part.get("text", ""))
-            message = {**message, "content": "".join(texts)}
+            message = {**message, "content": "\n".join(texts)}
         plain.append(message)
     return plain
 

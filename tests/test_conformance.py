@@ -263,21 +263,25 @@ def test_errors_map_to_the_taxonomy(target):
 
 
 def test_content_parts_are_read_and_what_a_model_cannot_read_is_the_clients_error(target):
-    """OpenAI content parts: text parts are read as text on every runtime (llama-cpp-python's
-    templates concatenate strings only: they get them joined). An image part sent to the
+    """OpenAI content parts: text parts are read as text on every runtime, joined by a newline as
+    vLLM and llama-server join them (llama-cpp-python's templates concatenate strings only: they
+    get them joined so). An image part sent to the
     text-only default model, or an earlier turn's malformed tool calls, are the client's mistake
     (`InvalidRequest`, a 400) or ignored, never reported as the runtime's own failure, which
     would count against its circuit breaker and turn every tenant's traffic away (llama-server
     answers both with a 500; llama-cpp-python failed in its template)."""
     if target.replayed:
         pytest.skip("a replayed runtime answers what it recorded, whatever the request")
+    brief = {"type": "text", "text": "Answer in one word."}
     question = {"type": "text", "text": "What is the capital of France?"}
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
-    parts, _ = run(target, generated(target.backend, messages=[{"role": "user", "content": [question]}],
-                                     max_tokens=8))
-    plain, _ = run(target, generated(target.backend, messages=[{"role": "user", "content": question["text"]}],
-                                     max_tokens=8))
-    assert parts == plain
+    parts, parts_finish = run(target, generated(target.backend, max_tokens=8,
+                                                messages=[{"role": "user", "content": [brief, question]}]))
+    plain, plain_finish = run(target, generated(target.backend, max_tokens=8, messages=[
+        {"role": "user", "content": f"{brief['text']}\n{question['text']}"}]))
+    assert parts == plain  # parts joined by a newline, as vLLM and llama-server join them
+    if target.reports_prompt_tokens:
+        assert parts_finish.usage.prompt_tokens == plain_finish.usage.prompt_tokens
     with pytest.raises(InvalidRequest):
         run(target, generated(target.backend, messages=[{"role": "user", "content": [image, question]}],
                               max_tokens=4))
