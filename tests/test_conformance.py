@@ -265,11 +265,11 @@ def test_errors_map_to_the_taxonomy(target):
 def test_content_parts_are_read_and_what_a_model_cannot_read_is_the_clients_error(target):
     """OpenAI content parts: text parts are read as text on every runtime, joined by a newline as
     vLLM and llama-server join them (llama-cpp-python's templates concatenate strings only: they
-    get them joined so). An image part sent to the
-    text-only default model, or an earlier turn's malformed tool calls, are the client's mistake
-    (`InvalidRequest`, a 400) or ignored, never reported as the runtime's own failure, which
-    would count against its circuit breaker and turn every tenant's traffic away (llama-server
-    answers both with a 500; llama-cpp-python failed in its template)."""
+    get them joined so). An image part sent to the text-only default model, or an earlier turn's
+    malformed tool calls, are the client's mistake (`InvalidRequest`, a 400) or ignored, never
+    reported as the runtime's own failure, which would count against its circuit breaker and
+    turn every tenant's traffic away (llama-server answers both with a 500; llama-cpp-python
+    failed in its template)."""
     if target.replayed:
         pytest.skip("a replayed runtime answers what it recorded, whatever the request")
     brief = {"type": "text", "text": "Answer in one word."}
