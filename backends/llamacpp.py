@@ -15,6 +15,7 @@ while it loads its model.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 from collections.abc import AsyncIterator
@@ -137,6 +138,7 @@ class LlamaCppServerBackend(OpenAICompatBackend):
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         check_sampling(request)
+        self._check_forced_tool_call(request)
         produced = False
         try:
             async for event in super().generate(request):
@@ -146,6 +148,24 @@ class LlamaCppServerBackend(OpenAICompatBackend):
             if produced:
                 raise
             raise await self._diagnose(request, exc) from exc
+
+    def _check_forced_tool_call(self, request: GenerateRequest) -> None:
+        """A forced tool call (`tool_choice` "required" or a named function) that the server would
+        answer with plain text, breaking OpenAI's contract, is refused by name instead.
+        llama-server drops the tools of a chat whose template has none (`/props`'
+        `chat_template_caps.supports_tools`; the default model's); llama-cpp-python's handler for
+        a GGUF's template forces a named function by grammar, never "required"
+        (`llama_cpp/llama_chat_format.py`). "auto" may answer text, so it passes."""
+        choice = request.extra.get("tool_choice")
+        if not request.extra.get("tools") or not (choice == "required" or isinstance(choice, dict)):
+            return
+        if self.python_server:
+            answered_with_text = choice == "required"
+        else:
+            answered_with_text = (self.props.get("chat_template_caps") or {}).get("supports_tools") is False
+        if answered_with_text:
+            raise InvalidRequest(f"this model's chat template on {self.config.runtime} cannot force a tool call "
+                                 f"(tool_choice {json.dumps(choice)})", param="tool_choice")
 
     async def _diagnose(self, request: GenerateRequest, error: UpstreamError) -> BackendError:
         """Why a stream came back empty: a prompt too long for the context, or `error`. Where the

@@ -291,6 +291,31 @@ def test_content_parts_are_read_and_what_a_model_cannot_read_is_the_clients_erro
         run(target, generated(target.backend, messages=turns, max_tokens=2))
 
 
+def test_a_forced_tool_call_is_a_tool_call_or_refused(target):
+    """`tool_choice` "required" obliges a tool call (OpenAI's contract): a runtime answers with
+    one, or the request is refused as the client's; never plain text (llama-server drops the
+    tools of a template without them and answered with text)."""
+    if target.replayed:
+        pytest.skip("a replayed runtime answers what it recorded, whatever the request")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+    async def scenario():
+        request = GenerateRequest(request_id=f"tools-{time.monotonic_ns()}", model="m", max_tokens=40,
+                                  temperature=0.0, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                  extra={"tools": tools, "tool_choice": "required", "parallel_tool_calls": False})
+        deltas = [event async for event in target.backend.generate(request) if isinstance(event, Delta)]
+        return deltas
+
+    try:
+        deltas = run(target, scenario())
+    except InvalidRequest as refused:  # llama.cpp in process takes no tools; vLLM wants a tool parser
+        assert "tool" in str(refused)
+        return
+    calls = [call for d in deltas for call in ((d.extra or {}).get("delta") or {}).get("tool_calls") or []]
+    assert calls and not "".join(d.text for d in deltas).strip()
+
+
 def test_closing_the_stream_cancels_the_request(target):
     async def scenario():
         request = GenerateRequest(request_id="cancel-me", model="m", prompt="Write a very long story about a cat.",
