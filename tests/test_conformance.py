@@ -304,8 +304,7 @@ def test_a_forced_tool_call_is_a_tool_call_or_refused(target):
         request = GenerateRequest(request_id=f"tools-{time.monotonic_ns()}", model="m", max_tokens=40,
                                   temperature=0.0, messages=[{"role": "user", "content": "Weather in Paris?"}],
                                   extra={"tools": tools, "tool_choice": "required", "parallel_tool_calls": False})
-        deltas = [event async for event in target.backend.generate(request) if isinstance(event, Delta)]
-        return deltas
+        return [event async for event in target.backend.generate(request) if isinstance(event, Delta)]
 
     try:
         deltas = run(target, scenario())
