@@ -4,6 +4,9 @@ The bound is what any exact implementation must do for one decode step: the mode
 GEMMs at batch B, plus one exact attention pass over the same KV laid out contiguously.
 Usage: python benchmarks/decode_step.py [--batch 32] [--context 512] [--steps 20] [--attention auto|native|torch]
        [--weight-quant none|int8] [--dtype auto|float32|bfloat16] [--profile] [--onednn]
+       [--groups G --shared N]
+--groups/--shared: the sequences fall in G groups (taken in turn) whose prompts share their first N
+tokens, as the served shared-prefix load's do; the prefix cache then holds each group's prefix once.
 --profile prints where a decode step's time goes, by operator (torch.profiler); --onednn keeps
 bf16 Linears on oneDNN where the native GEMM would serve them (to compare the two).
 """
@@ -56,10 +59,17 @@ def bound_ms(engine: LLMEngine, batch: int, context: int, repeat: int) -> tuple[
     return timed(gemms, repeat) * 1000, timed(attention, repeat) * 1000
 
 
-def decode_step_ms(engine: LLMEngine, batch: int, context: int, steps: int, around=None) -> float:
+def prompt(i: int, context: int, groups: int, shared: int) -> list[int]:
+    """Sequence i's prompt: its group's first `shared` tokens (with groups), then its own."""
+    own = [(i * 131 + j * 7) % 40000 + 100 for j in range(context)]
+    return [(i % groups * 997 + j * 13) % 40000 + 100 for j in range(shared)] + own[shared:] if groups else own
+
+
+def decode_step_ms(engine: LLMEngine, batch: int, context: int, steps: int, around=None, groups: int = 0,
+                   shared: int = 0) -> float:
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"r{i}", [(i * 131 + j * 7) % 40000 + 100 for j in range(context)], params)
+        engine.add_request(f"r{i}", prompt(i, context, groups, shared), params)
     sched = engine.scheduler
     while sched.num_waiting or any(s.num_output_tokens == 0 for s in sched.running):
         engine.step()  # prefill everything first
@@ -111,6 +121,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
     parser.add_argument("--profile", action="store_true", help="the top operators of the timed steps")
     parser.add_argument("--onednn", action="store_true", help="bf16 Linears on oneDNN, not the native GEMM")
+    parser.add_argument("--groups", type=int, default=0, help="groups of sequences sharing a prompt prefix")
+    parser.add_argument("--shared", type=int, default=0, help="tokens of that prefix (with --groups)")
     args = parser.parse_args()
     if args.onednn:
         from backends.builtin import kernels
@@ -120,16 +132,17 @@ def main() -> None:
                                     attention=args.attention, weight_quant=args.weight_quant, dtype=args.dtype))
     if args.profile:
         profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-        step = decode_step_ms(engine, args.batch, args.context, args.steps, profile)
+        step = decode_step_ms(engine, args.batch, args.context, args.steps, profile, args.groups, args.shared)
         print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     else:
-        step = decode_step_ms(engine, args.batch, args.context, args.steps)
+        step = decode_step_ms(engine, args.batch, args.context, args.steps, None, args.groups, args.shared)
     gemm, attention = bound_ms(engine, args.batch, args.context, args.steps)
     bound = gemm + attention
     kind = "native kernel" if engine.runner.use_kernel else "PyTorch gather + SDPA"
     linears = type(engine.runner.model.lm_head).__name__  # PairedLinear: the native bf16 GEMM
-    print(f"decode step ({kind}, {engine.runner.dtype}, {linears}), batch {args.batch}, context {args.context}: "
-          f"{step:.1f} ms")
+    shared = f", {args.groups} groups sharing {args.shared} tokens" if args.groups else ""
+    print(f"decode step ({kind}, {engine.runner.dtype}, {linears}), batch {args.batch}, context {args.context}"
+          f"{shared}: {step:.1f} ms")
     print(f"bound: bare GEMMs {gemm:.1f} ms + contiguous attention {attention:.1f} ms = {bound:.1f} ms")
     print(f"ratio: {step / bound:.2f}x")
     kernel = kernel_ms(engine, args.batch, args.context, args.steps)

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -231,13 +232,20 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
               "an int8 cache needs float32 scales [2, N, block_size, Hkv]");
   const float* k_scales = int8 ? scales.data_ptr<float>() : nullptr;
   const float* v_scales = int8 ? k_scales + scales[0].numel() : nullptr;
+  // Tokens in the order of their first block: those whose sequences share a cached prefix run one
+  // after another on one thread, which then reads the prefix's rows from its own L2 cache.
+  std::vector<int64_t> order(tokens);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return tables[a * max_blocks] < tables[b * max_blocks]; });
   auto run = [&](auto* kc, auto* vc) {
     using scalar_t = std::remove_const_t<std::remove_pointer_t<decltype(kc)>>;
     auto one = head_dim == 64 ? attend<scalar_t, 64> : attend<scalar_t, 128>;
     at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
       std::vector<int64_t> slots;
-      for (int64_t t = begin; t < end; ++t) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t t = order[i];
         one(q + t * heads * head_dim, kc, vc, k_scales, v_scales, tables + t * max_blocks, pos[t], heads, kv_heads,
             block_size, static_cast<float>(scale), scores, slots, o + t * heads * head_dim);
       }
