@@ -62,7 +62,9 @@ def bound_ms(engine: LLMEngine, batch: int, context: int, repeat: int) -> tuple[
 def prompt(i: int, context: int, groups: int, shared: int) -> list[int]:
     """Sequence i's prompt: its group's first `shared` tokens (with groups), then its own."""
     own = [(i * 131 + j * 7) % 40000 + 100 for j in range(context)]
-    return [(i % groups * 997 + j * 13) % 40000 + 100 for j in range(shared)] + own[shared:] if groups else own
+    if not groups:
+        return own
+    return [(i % groups * 997 + j * 13) % 40000 + 100 for j in range(shared)] + own[shared:]
 
 
 def decode_step_ms(engine: LLMEngine, batch: int, context: int, steps: int, around=None, groups: int = 0,
