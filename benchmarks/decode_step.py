@@ -132,12 +132,10 @@ def main() -> None:
         kernels.bf16_linear = lambda device, dtype: None  # the runner then prepacks every Linear for oneDNN
     engine = LLMEngine(EngineConfig(kv_cache_tokens=args.batch * (args.context + args.steps + 32),
                                     attention=args.attention, weight_quant=args.weight_quant, dtype=args.dtype))
-    if args.profile:
-        profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-        step = decode_step_ms(engine, args.batch, args.context, args.steps, profile, args.groups, args.shared)
+    profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.profile else None
+    step = decode_step_ms(engine, args.batch, args.context, args.steps, profile, args.groups, args.shared)
+    if profile is not None:
         print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
-    else:
-        step = decode_step_ms(engine, args.batch, args.context, args.steps, None, args.groups, args.shared)
     gemm, attention = bound_ms(engine, args.batch, args.context, args.steps)
     bound = gemm + attention
     kind = "native kernel" if engine.runner.use_kernel else "PyTorch gather + SDPA"
