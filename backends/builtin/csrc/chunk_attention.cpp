@@ -2,14 +2,15 @@
 //
 // A chunk is a run of consecutive tokens of one sequence (a whole prompt, or the part of it
 // after cached tokens); its token r at absolute position p sees keys 0..p. One work item is 16
-// tokens of one chunk and one KV head, with the query heads that share it (GQA): its rows walk
-// the keys sixteen slots at a time through the block table (flash attention's online softmax,
-// float32), so each slot is widened once for all its rows and nothing is gathered or padded;
-// key tiles above a row's position are skipped. Where SDPA over a padded gather attends every
-// key under a mask, this does the causal half, and the largest items go first so the threads
-// finish together. AVX-512 only: with AVX2's sixteen 8-lane registers a row's accumulators do
-// not stay in registers, and SDPA's GEMMs over the gathered context were 1.5-2x faster than a
-// portable form of this loop (AMD EPYC Zen 3), so there the engine takes SDPA.
+// tokens of one chunk and one KV head, with the query heads that share it (GQA): its keys and
+// values are laid out once for all its rows (widened to float32, or, for a bf16 cache on a CPU
+// with AVX512-BF16, kept in bf16 pairs for VDPBF16PS), read through the block table, so nothing
+// is gathered or padded; its rows then walk them four at a time, an exact softmax in float32 over
+// the keys each row sees. Where SDPA over a padded gather attends every key under a mask, this
+// does the causal half, and the largest items go first so the threads finish together. AVX-512
+// only: with AVX2's sixteen 8-lane registers a row's accumulators do not stay in registers, and
+// SDPA's GEMMs over the gathered context were 1.5-2x faster than a portable form of this loop
+// (AMD EPYC Zen 3), so there the engine takes SDPA.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -31,109 +32,245 @@ bool chunk_attention_native() {
 }
 
 #if defined(__AVX512F__)
-constexpr int64_t kTile = 16;  // query tokens of one item, and half the key slots of one step
+constexpr int64_t kTile = 16;         // query tokens of one item, and half the key slots of one step
+constexpr int64_t kRows = 4;          // query rows walked together, their accumulators in registers
+constexpr int64_t kStep = 2 * kTile;  // keys a step
 
 struct Item {
   int64_t seq, kv_head, first, last;  // tokens first..last-1 of the chunk
   int64_t cost;                       // key tiles its rows visit
 };
 
-// One item, four rows at a time so that their accumulators stay in registers:
-// the item's keys and values are widened to float32 once (keys transposed, sixteen slots to a
-// vector), then each group of four rows walks them 32 keys a step, every key vector feeding four
-// rows, one softmax rescale a step; the sums stay in sixteen lanes until the end.
+// The chunk an item belongs to: its block table, and where its rows lie among the query's.
+struct Chunk {
+  const int64_t* table;
+  int64_t start, first_position, heads, kv_heads, block_size;
+  int64_t slot(int64_t j) const { return table[j / block_size] * block_size + j % block_size; }
+  // The query (and output) row of the item's row-th row: token row / group, query head row % group.
+  int64_t row_of(const Item& item, int64_t row, int64_t group) const {
+    return (start + item.first + row / group) * heads + item.kv_head * group + row % group;
+  }
+};
+
+// An item's keys and values widened to float32 once, keys transposed sixteen slots to a vector
+// ([tile][d][slot]), values row by row; each key or value vector feeds four rows' FMAs.
 template <typename scalar_t, int64_t D>
-static void attend_tile(const Item& item, const float* query, const scalar_t* key_cache, const scalar_t* value_cache,
-                        const float* k_scales, const float* v_scales, const int64_t* table, int64_t chunk_start,
-                        int64_t first_position, int64_t heads, int64_t kv_heads, int64_t block_size, float scale,
-                        float* out) {
-  constexpr int64_t kRows = 4, kVecs = D / 16, kStep = 2 * kTile;
-  const int64_t group = heads / kv_heads, slot_stride = kv_heads * D, g = item.kv_head;
-  const int64_t rows = (item.last - item.first) * group;
-  const int64_t keys_len = first_position + item.last, steps = (keys_len + kStep - 1) / kStep;
-  thread_local std::vector<float> keys, values, q;
-  keys.resize(steps * kStep * D);  // [tile][d][slot]
-  values.resize(steps * kStep * D);  // [key][d]
-  for (int64_t j = 0; j < steps * kStep; ++j) {
-    float* kt = keys.data() + (j / kTile) * D * kTile + j % kTile;
-    float* vr = values.data() + j * D;
-    if (j >= keys_len) {  // past the end: weight 0, and 0 * garbage could be NaN
-      for (int64_t d = 0; d < D; ++d) kt[d * kTile] = vr[d] = 0.f;
-      continue;
-    }
-    const int64_t slot = table[j / block_size] * block_size + j % block_size;
-    const scalar_t* k = key_cache + slot * slot_stride + g * D;
-    const scalar_t* v = value_cache + slot * slot_stride + g * D;
-    const float ks = k_scales ? k_scales[slot * kv_heads + g] : 1.f;
-    const float vs = v_scales ? v_scales[slot * kv_heads + g] : 1.f;
-    for (int64_t d = 0; d < D; ++d) kt[d * kTile] = static_cast<float>(k[d]) * ks;
+struct FloatTiles {
+  std::vector<float> keys, values, q;
+
+  void load(const Chunk& chunk, const Item& item, const float* query, const scalar_t* key_cache,
+            const scalar_t* value_cache, const float* k_scales, const float* v_scales, int64_t keys_len,
+            int64_t rows, int64_t group, float scale) {
+    const int64_t padded = (keys_len + kStep - 1) / kStep * kStep, g = item.kv_head, stride = chunk.kv_heads * D;
+    keys.resize(padded * D);
+    values.resize(padded * D);
+    for (int64_t j = 0; j < padded; ++j) {
+      float* kt = keys.data() + (j / kTile) * D * kTile + j % kTile;
+      float* vr = values.data() + j * D;
+      if (j >= keys_len) {  // past the end: weight 0, and 0 * garbage could be NaN
+        for (int64_t d = 0; d < D; ++d) kt[d * kTile] = vr[d] = 0.f;
+        continue;
+      }
+      const int64_t slot = chunk.slot(j);
+      const scalar_t* k = key_cache + slot * stride + g * D;
+      const scalar_t* v = value_cache + slot * stride + g * D;
+      const float ks = k_scales ? k_scales[slot * chunk.kv_heads + g] : 1.f;
+      const float vs = v_scales ? v_scales[slot * chunk.kv_heads + g] : 1.f;
+      for (int64_t d = 0; d < D; ++d) kt[d * kTile] = static_cast<float>(k[d]) * ks;
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) vr[d] = static_cast<float>(v[d]) * vs;
-  }
-  const int64_t padded = (rows + kRows - 1) / kRows * kRows;
-  q.assign(padded * D, 0.f);
-  for (int64_t row = 0; row < rows; ++row) {
-    const float* src = query + ((chunk_start + item.first + row / group) * heads + g * group + row % group) * D;
-    for (int64_t d = 0; d < D; ++d) q[row * D + d] = src[d] * scale;
-  }
-  for (int64_t row0 = 0; row0 < rows; row0 += kRows) {
-    int64_t position[kRows];
-    for (int64_t r = 0; r < kRows; ++r)  // a padding row repeats the last row's position; its output is dropped
-      position[r] = first_position + item.first + std::min(row0 + r, rows - 1) / group;
-    const float* qr = q.data() + row0 * D;
-    __m512 o[kRows][kVecs], max[kRows], sum[kRows];
-    for (int64_t r = 0; r < kRows; ++r) {
-      for (int64_t c = 0; c < kVecs; ++c) o[r][c] = _mm512_setzero_ps();
-      max[r] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      sum[r] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; ++d) vr[d] = static_cast<float>(v[d]) * vs;
     }
-    const int64_t row_steps = (position[kRows - 1] + kStep) / kStep;  // the last row sees the most
-    for (int64_t step = 0; step < row_steps; ++step) {
-      const float* kt = keys.data() + step * kStep * D;
-      __m512 s[kRows][2];
-      for (int64_t r = 0; r < kRows; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; ++d) {
-        const __m512 k0 = _mm512_loadu_ps(kt + d * kTile), k1 = _mm512_loadu_ps(kt + (D + d) * kTile);
-        for (int64_t r = 0; r < kRows; ++r) {
-          const __m512 x = _mm512_set1_ps(qr[r * D + d]);
-          s[r][0] = _mm512_fmadd_ps(x, k0, s[r][0]);
-          s[r][1] = _mm512_fmadd_ps(x, k1, s[r][1]);
-        }
-      }
-      alignas(64) float p[kRows][kStep];
+    q.assign((rows + kRows - 1) / kRows * kRows * D, 0.f);
+    for (int64_t row = 0; row < rows; ++row) {
+      const float* from = query + chunk.row_of(item, row, group) * D;
+      for (int64_t d = 0; d < D; ++d) q[row * D + d] = from[d] * scale;
+    }
+  }
+
+  // Rows row0.. scored against the step's 32 keys, scaled.
+  void scores(int64_t row0, int64_t step, __m512 (&s)[kRows][2]) const {
+    const float* kt = keys.data() + step * kStep * D;
+    const float* qr = q.data() + row0 * D;
+    for (int64_t r = 0; r < kRows; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m512 k0 = _mm512_loadu_ps(kt + d * kTile), k1 = _mm512_loadu_ps(kt + (D + d) * kTile);
       for (int64_t r = 0; r < kRows; ++r) {
-        const int64_t visible = std::clamp<int64_t>(position[r] + 1 - step * kStep, 0, kStep);
-        const __mmask16 m0 = static_cast<__mmask16>((1u << std::min<int64_t>(visible, kTile)) - 1);
-        const __mmask16 m1 = static_cast<__mmask16>((1u << std::max<int64_t>(visible - kTile, 0)) - 1);
-        const __m512 seen = _mm512_mask_max_ps(_mm512_maskz_mov_ps(m0, s[r][0]), m1, s[r][0], s[r][1]);
-        const float step_max = visible > kTile ? _mm512_reduce_max_ps(seen) : _mm512_mask_reduce_max_ps(m0, s[r][0]);
-        const __m512 new_max = _mm512_max_ps(max[r], _mm512_set1_ps(step_max));
-        const __m512 rescale = exp512_nonpositive(_mm512_sub_ps(max[r], new_max));  // 0 on the first step
-        const __m512 e0 = _mm512_maskz_mov_ps(m0, exp512_nonpositive(_mm512_sub_ps(s[r][0], new_max)));
-        const __m512 e1 = _mm512_maskz_mov_ps(m1, exp512_nonpositive(_mm512_sub_ps(s[r][1], new_max)));
-        max[r] = new_max;
-        sum[r] = _mm512_fmadd_ps(sum[r], rescale, _mm512_add_ps(e0, e1));
-        for (int64_t c = 0; c < kVecs; ++c) o[r][c] = _mm512_mul_ps(o[r][c], rescale);
-        _mm512_store_ps(p[r], e0);
-        _mm512_store_ps(p[r] + kTile, e1);
+        const __m512 x = _mm512_set1_ps(qr[r * D + d]);
+        s[r][0] = _mm512_fmadd_ps(x, k0, s[r][0]);
+        s[r][1] = _mm512_fmadd_ps(x, k1, s[r][1]);
       }
-      const float* vt = values.data() + step * kStep * D;
-      for (int64_t i = 0; i < kStep; ++i) {
-        __m512 v[kVecs];
-        for (int64_t c = 0; c < kVecs; ++c) v[c] = _mm512_loadu_ps(vt + i * D + 16 * c);
-        for (int64_t r = 0; r < kRows; ++r) {
-          const __m512 w = _mm512_set1_ps(p[r][i]);
-          for (int64_t c = 0; c < kVecs; ++c) o[r][c] = _mm512_fmadd_ps(w, v[c], o[r][c]);
+    }
+  }
+
+  // o += the step's values, weighted by each row's 32 weights p.
+  void add_values(int64_t step, const __m512 (&p)[kRows][2], __m512 (&o)[kRows][D / 16]) const {
+    alignas(64) float w[kRows][kStep];
+    for (int64_t r = 0; r < kRows; ++r) {
+      _mm512_store_ps(w[r], p[r][0]);
+      _mm512_store_ps(w[r] + kTile, p[r][1]);
+    }
+    const float* vt = values.data() + step * kStep * D;
+    for (int64_t i = 0; i < kStep; ++i) {
+      __m512 v[D / 16];
+      for (int64_t c = 0; c < D / 16; ++c) v[c] = _mm512_loadu_ps(vt + i * D + 16 * c);
+      for (int64_t r = 0; r < kRows; ++r) {
+        const __m512 x = _mm512_set1_ps(w[r][i]);
+        for (int64_t c = 0; c < D / 16; ++c) o[r][c] = _mm512_fmadd_ps(x, v[c], o[r][c]);
+      }
+    }
+  }
+};
+
+#if defined(__AVX512BF16__)
+// A bf16 cache on a CPU with AVX512-BF16: the same walk in dot products of bf16 pairs (VDPBF16PS:
+// exact products, float32 sums, 32 multiply-adds an instruction where an FMA does 16). Nothing is
+// widened: keys are laid out with a pair of dimensions for sixteen slots in a register
+// ([tile][d/2][slot][2]), values with a pair of keys for sixteen dimensions ([key/2][d][2]); the
+// query is a bf16 model's, so it converts exactly, and the weights are rounded to bf16 for the
+// values' product, as PyTorch's flash attention rounds them for a bf16 model.
+template <int64_t D>
+struct Bf16Pairs {
+  static constexpr int64_t kPairs = D / 2;
+  std::vector<uint32_t> keys, values, q;  // each element a pair of bf16 values
+  float scale = 1.f;
+
+  void load(const Chunk& chunk, const Item& item, const float* query, const at::BFloat16* key_cache,
+            const at::BFloat16* value_cache, const float*, const float*, int64_t keys_len, int64_t rows,
+            int64_t group, float scale_) {
+    const int64_t padded = (keys_len + kStep - 1) / kStep * kStep, g = item.kv_head, stride = chunk.kv_heads * D;
+    keys.resize(padded * kPairs);
+    values.resize(padded * kPairs);
+    for (int64_t j = 0; j < padded; ++j) {
+      uint32_t* kt = keys.data() + (j / kTile) * kPairs * kTile + j % kTile;
+      uint16_t* vp = reinterpret_cast<uint16_t*>(values.data() + j / 2 * D) + j % 2;
+      if (j >= keys_len) {  // past the end: weight 0, and 0 * garbage could be NaN
+        for (int64_t p = 0; p < kPairs; ++p) kt[p * kTile] = 0;
+        for (int64_t d = 0; d < D; ++d) vp[2 * d] = 0;
+        continue;
+      }
+      const int64_t slot = chunk.slot(j);
+      const auto* k = reinterpret_cast<const uint32_t*>(key_cache + slot * stride + g * D);
+      const auto* v = reinterpret_cast<const uint16_t*>(value_cache + slot * stride + g * D);
+      for (int64_t p = 0; p < kPairs; ++p) kt[p * kTile] = k[p];
+      for (int64_t d = 0; d < D; ++d) vp[2 * d] = v[d];
+    }
+    q.assign((rows + kRows - 1) / kRows * kRows * kPairs, 0);
+    for (int64_t row = 0; row < rows; ++row) {
+      const float* from = query + chunk.row_of(item, row, group) * D;
+      for (int64_t p = 0; p < D / 32; ++p)
+        _mm512_storeu_si512(q.data() + row * kPairs + 16 * p,
+                            (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(from + 32 * p + 16),
+                                                         _mm512_loadu_ps(from + 32 * p)));
+    }
+    scale = scale_;
+  }
+
+  void scores(int64_t row0, int64_t step, __m512 (&s)[kRows][2]) const {
+    const uint32_t* kt = keys.data() + step * kStep * kPairs;
+    const uint32_t* qr = q.data() + row0 * kPairs;
+    for (int64_t r = 0; r < kRows; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < kPairs; ++p) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + p * kTile);
+      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + (kPairs + p) * kTile);
+      for (int64_t r = 0; r < kRows; ++r) {
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(qr[r * kPairs + p]);
+        s[r][0] = _mm512_dpbf16_ps(s[r][0], k0, x);
+        s[r][1] = _mm512_dpbf16_ps(s[r][1], k1, x);
+      }
+    }
+    for (int64_t r = 0; r < kRows; ++r)
+      for (auto& half : s[r]) half = _mm512_mul_ps(half, _mm512_set1_ps(scale));
+  }
+
+  void add_values(int64_t step, const __m512 (&p)[kRows][2], __m512 (&o)[kRows][D / 16]) const {
+    alignas(64) uint32_t w[kRows][kTile];  // each row's weights in bf16, pairs of consecutive keys
+    for (int64_t r = 0; r < kRows; ++r) _mm512_store_si512(w[r], (__m512i)_mm512_cvtne2ps_pbh(p[r][1], p[r][0]));
+    const uint32_t* vt = values.data() + step * kTile * D;
+    for (int64_t i = 0; i < kTile; ++i) {
+      __m512bh v[D / 16];
+      for (int64_t c = 0; c < D / 16; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vt + i * D + 16 * c);
+      for (int64_t r = 0; r < kRows; ++r) {
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(w[r][i]);
+        for (int64_t c = 0; c < D / 16; ++c) o[r][c] = _mm512_dpbf16_ps(o[r][c], v[c], x);
+      }
+    }
+  }
+};
+#endif
+
+// One item, four rows at a time, in three passes over the item's keys: the rows' scores (kept,
+// with each row's running maximum over the keys it sees), their exponentials and sums, then the
+// weighted values, 32 keys a step with the four rows' sums in registers. Rows see at most a few
+// thousand keys, so their scores stay in L1/L2, and there is no online rescaling per step.
+// `Tiles` lays out the keys and values once for all the item's rows.
+template <typename Tiles, typename scalar_t, int64_t D>
+static void attend_item(const Item& item, const Chunk& chunk, const float* query, const scalar_t* key_cache,
+                        const scalar_t* value_cache, const float* k_scales, const float* v_scales, float scale,
+                        float* out) {
+  thread_local Tiles tiles;
+  thread_local std::vector<float> weights;  // [kRows][keys the group's last row sees, rounded up to a step]
+  const int64_t group = chunk.heads / chunk.kv_heads, rows = (item.last - item.first) * group;
+  tiles.load(chunk, item, query, key_cache, value_cache, k_scales, v_scales, chunk.first_position + item.last,
+             rows, group, scale);
+  for (int64_t row0 = 0; row0 < rows; row0 += kRows) {
+    int64_t visible[kRows];  // keys 0..position: a padding row repeats the last row's; its output is dropped
+    for (int64_t r = 0; r < kRows; ++r)
+      visible[r] = chunk.first_position + item.first + std::min(row0 + r, rows - 1) / group + 1;
+    const int64_t steps = (visible[kRows - 1] + kStep - 1) / kStep, width = steps * kStep;  // the last row sees the most
+    weights.resize(kRows * width);
+    __m512 top[kRows];
+    for (auto& t : top) t = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t step = 0; step < steps; ++step) {
+      __m512 s[kRows][2];
+      tiles.scores(row0, step, s);
+      for (int64_t r = 0; r < kRows; ++r) {
+        for (int64_t half = 0; half < 2; ++half) {
+          const int64_t seen = std::clamp<int64_t>(visible[r] - step * kStep - half * kTile, 0, kTile);
+          top[r] = _mm512_mask_max_ps(top[r], static_cast<__mmask16>((1u << seen) - 1), top[r], s[r][half]);
+          _mm512_storeu_ps(weights.data() + r * width + step * kStep + half * kTile, s[r][half]);
         }
       }
+    }
+    __m512 sum[kRows];
+    for (int64_t r = 0; r < kRows; ++r) {  // scores -> exponentials, 0 past the row's last key
+      const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top[r]));
+      sum[r] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < width; j += kTile) {
+        float* w = weights.data() + r * width + j;
+        const int64_t seen = std::clamp<int64_t>(visible[r] - j, 0, kTile);
+        const __m512 e = seen == 0 ? _mm512_setzero_ps()
+                                   : _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << seen) - 1),
+                                                         exp512_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(w), max)));
+        sum[r] = _mm512_add_ps(sum[r], e);
+        _mm512_storeu_ps(w, e);
+      }
+    }
+    __m512 o[kRows][D / 16];
+    for (auto& row : o)
+      for (auto& acc : row) acc = _mm512_setzero_ps();
+    for (int64_t step = 0; step < steps; ++step) {
+      __m512 p[kRows][2];
+      for (int64_t r = 0; r < kRows; ++r)
+        for (int64_t half = 0; half < 2; ++half)
+          p[r][half] = _mm512_loadu_ps(weights.data() + r * width + step * kStep + half * kTile);
+      tiles.add_values(step, p, o);
     }
     for (int64_t r = 0; r < kRows && row0 + r < rows; ++r) {
-      const int64_t row = row0 + r;
-      float* dst = out + ((chunk_start + item.first + row / group) * heads + g * group + row % group) * D;
+      float* dst = out + chunk.row_of(item, row0 + r, group) * D;
       const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum[r]));
-      for (int64_t c = 0; c < kVecs; ++c) _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(o[r][c], inv));
+      for (int64_t c = 0; c < D / 16; ++c) _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(o[r][c], inv));
     }
   }
+}
+
+// The item attention for this cache type and head size: bf16 pairs where the CPU multiplies them.
+template <typename scalar_t, int64_t D>
+static auto item_kernel() {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) return attend_item<Bf16Pairs<D>, scalar_t, D>;
+  else
+#endif
+    return attend_item<FloatTiles<scalar_t, D>, scalar_t, D>;
 }
 #endif
 
@@ -179,14 +316,15 @@ torch::Tensor chunk_attention(torch::Tensor query, torch::Tensor key_cache, torc
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   auto run = [&](auto* kc, auto* vc) {
     using scalar_t = std::remove_const_t<std::remove_pointer_t<decltype(kc)>>;
-    auto one = head_dim == 64 ? attend_tile<scalar_t, 64> : attend_tile<scalar_t, 128>;
+    auto one = head_dim == 64 ? item_kernel<scalar_t, 64>() : item_kernel<scalar_t, 128>();
     std::atomic<int64_t> next{0};  // each thread takes the next largest item left
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
       for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(items.size());) {
         const Item& item = items[i];
         const int64_t len = starts[item.seq + 1] - starts[item.seq];
-        one(item, q, kc, vc, k_scales, v_scales, tables + item.seq * max_blocks, starts[item.seq],
-            ctx[item.seq] - len, heads, kv_heads, block_size, static_cast<float>(scale), o);
+        const Chunk chunk{tables + item.seq * max_blocks, starts[item.seq], ctx[item.seq] - len, heads, kv_heads,
+                          block_size};
+        one(item, chunk, q, kc, vc, k_scales, v_scales, static_cast<float>(scale), o);
       }
     });
   };
