@@ -128,6 +128,37 @@ struct FloatTiles {
 // ([tile][d/2][slot][2]), values with a pair of keys for sixteen dimensions ([key/2][d][2]); the
 // query is a bf16 model's, so it converts exactly, and the weights are rounded to bf16 for the
 // values' product, as PyTorch's flash attention rounds them for a bf16 model.
+// Sixteen rows of sixteen 32-bit values transposed in registers: pairs of rows interleaved, then
+// pairs of pairs, then 128-bit lanes gathered twice.
+static inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + c]: rows i..i+3 of columns c, c + 4, c + 8, c + 12, one per lane
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // t[c]: columns c and c + 8; t[c + 4]: c + 4 and c + 12 (rows 0-7, or 8-15 at + 8)
+    t[c] = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
+    t[c + 4] = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+    t[c + 8] = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    t[c + 12] = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+  }
+  for (int c = 0; c < 8; ++c) {
+    r[c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0x88);
+    r[c + 8] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0xdd);
+  }
+}
+
+// Word indices that interleave two vectors of 32 bf16 values: the first 16 of each, then the last 16.
+static const __m512i kInterleaveLow = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                                       39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+static const __m512i kInterleaveHigh = _mm512_add_epi16(kInterleaveLow, _mm512_set1_epi16(16));
+
 template <int64_t D>
 struct Bf16Pairs {
   static constexpr int64_t kPairs = D / 2;
@@ -140,19 +171,30 @@ struct Bf16Pairs {
     const int64_t padded = (keys_len + kStep - 1) / kStep * kStep, g = item.kv_head, stride = chunk.kv_heads * D;
     keys.resize(padded * kPairs);
     values.resize(padded * kPairs);
-    for (int64_t j = 0; j < padded; ++j) {
-      uint32_t* kt = keys.data() + (j / kTile) * kPairs * kTile + j % kTile;
-      uint16_t* vp = reinterpret_cast<uint16_t*>(values.data() + j / 2 * D) + j % 2;
-      if (j >= keys_len) {  // past the end: weight 0, and 0 * garbage could be NaN
-        for (int64_t p = 0; p < kPairs; ++p) kt[p * kTile] = 0;
-        for (int64_t d = 0; d < D; ++d) vp[2 * d] = 0;
-        continue;
+    for (int64_t j0 = 0; j0 < padded; j0 += kTile) {
+      const at::BFloat16 *k[kTile], *v[kTile];  // the tile's rows; null past the end (read as 0: 0 * garbage could be NaN)
+      for (int64_t i = 0; i < kTile; ++i) {
+        const int64_t offset = j0 + i < keys_len ? chunk.slot(j0 + i) * stride + g * D : -1;
+        k[i] = offset < 0 ? nullptr : key_cache + offset;
+        v[i] = offset < 0 ? nullptr : value_cache + offset;
       }
-      const int64_t slot = chunk.slot(j);
-      const auto* k = reinterpret_cast<const uint32_t*>(key_cache + slot * stride + g * D);
-      const auto* v = reinterpret_cast<const uint16_t*>(value_cache + slot * stride + g * D);
-      for (int64_t p = 0; p < kPairs; ++p) kt[p * kTile] = k[p];
-      for (int64_t d = 0; d < D; ++d) vp[2 * d] = v[d];
+      const auto row = [](const at::BFloat16* from, int64_t at) {
+        return from ? _mm512_loadu_si512(from + at) : _mm512_setzero_si512();
+      };
+      for (int64_t p0 = 0; p0 < kPairs; p0 += 16) {  // keys: 16 slots x 16 pairs, transposed
+        __m512i block[16];
+        for (int64_t i = 0; i < kTile; ++i) block[i] = row(k[i], 2 * p0);
+        transpose16(block);
+        for (int64_t p = 0; p < 16; ++p) _mm512_storeu_si512(keys.data() + (j0 * kPairs + (p0 + p) * kTile), block[p]);
+      }
+      for (int64_t i = 0; i < kTile; i += 2) {  // values: two keys' rows interleaved, 32 dimensions at a time
+        uint32_t* pair = values.data() + (j0 + i) / 2 * D;
+        for (int64_t d = 0; d < D; d += 32) {
+          const __m512i first = row(v[i], d), second = row(v[i + 1], d);
+          _mm512_storeu_si512(pair + d, _mm512_permutex2var_epi16(first, kInterleaveLow, second));
+          _mm512_storeu_si512(pair + d + 16, _mm512_permutex2var_epi16(first, kInterleaveHigh, second));
+        }
+      }
     }
     q.assign((rows + kRows - 1) / kRows * kRows * kPairs, 0);
     for (int64_t row = 0; row < rows; ++row) {
