@@ -122,12 +122,6 @@ struct FloatTiles {
 };
 
 #if defined(__AVX512BF16__)
-// A bf16 cache on a CPU with AVX512-BF16: the same walk in dot products of bf16 pairs (VDPBF16PS:
-// exact products, float32 sums, 32 multiply-adds an instruction where an FMA does 16). Nothing is
-// widened: keys are laid out with a pair of dimensions for sixteen slots in a register
-// ([tile][d/2][slot][2]), values with a pair of keys for sixteen dimensions ([key/2][d][2]); the
-// query is a bf16 model's, so it converts exactly, and the weights are rounded to bf16 for the
-// values' product, as PyTorch's flash attention rounds them for a bf16 model.
 // Sixteen rows of sixteen 32-bit values transposed in registers: pairs of rows interleaved, then
 // pairs of pairs, then 128-bit lanes gathered twice.
 static inline void transpose16(__m512i (&r)[16]) {
@@ -159,6 +153,12 @@ static const __m512i kInterleaveLow = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 4
                                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
 static const __m512i kInterleaveHigh = _mm512_add_epi16(kInterleaveLow, _mm512_set1_epi16(16));
 
+// A bf16 cache on a CPU with AVX512-BF16: the same walk in dot products of bf16 pairs (VDPBF16PS:
+// exact products, float32 sums, 32 multiply-adds an instruction where an FMA does 16). Nothing is
+// widened: keys are laid out with a pair of dimensions for sixteen slots in a register
+// ([tile][d/2][slot][2]), values with a pair of keys for sixteen dimensions ([key/2][d][2]); the
+// query is a bf16 model's, so it converts exactly, and the weights are rounded to bf16 for the
+// values' product, as PyTorch's flash attention rounds them for a bf16 model.
 template <int64_t D>
 struct Bf16Pairs {
   static constexpr int64_t kPairs = D / 2;
@@ -242,8 +242,9 @@ struct Bf16Pairs {
 
 // One item, four rows at a time, in three passes over the item's keys: the rows' scores (kept,
 // with each row's running maximum over the keys it sees), their exponentials and sums, then the
-// weighted values, 32 keys a step with the four rows' sums in registers. Rows see at most a few
-// thousand keys, so their scores stay in L1/L2, and there is no online rescaling per step.
+// weighted values, 32 keys a step with the four rows' sums in registers. Their scores take 16 bytes
+// a key (in L1 or L2 up to tens of thousands of keys), and no step rescales the sums as an online
+// softmax would.
 // `Tiles` lays out the keys and values once for all the item's rows.
 template <typename Tiles, typename scalar_t, int64_t D>
 static void attend_item(const Item& item, const Chunk& chunk, const float* query, const scalar_t* key_cache,
