@@ -76,26 +76,27 @@ def test_top_k_and_top_p_filters():
     assert torch.allclose(kept(4, 0.1), torch.tensor([[1.0, 0.0, 0.0, 0.0]]))  # the top token always stays
 
 
-def filled_cache(kv_dtype: str, dtype: torch.dtype):
+def filled_cache(kv_dtype: str, dtype: torch.dtype, head_dim: int = 64):
     from backends.builtin.attention import LayerKV
 
     torch.manual_seed(0)
-    kv = LayerKV.allocate(64, 16, 3, 64, dtype, torch.device("cpu"), int8=kv_dtype == "int8")
+    kv = LayerKV.allocate(64, 16, 3, head_dim, dtype, torch.device("cpu"), int8=kv_dtype == "int8")
     slots = torch.arange(64 * 16)
-    kv.write(slots, torch.randn(len(slots), 3, 64).to(dtype), torch.randn(len(slots), 3, 64).to(dtype))
+    kv.write(slots, *(torch.randn(len(slots), 3, head_dim).to(dtype) for _ in "kv"))
     return kv
 
 
-@pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, "auto"), (torch.bfloat16, "auto"),
-                                             (torch.float32, "int8")])
-def test_native_kernel_equals_the_pytorch_path(dtype, kv_dtype):
+@pytest.mark.parametrize("dtype, kv_dtype, head_dim", [(torch.float32, "auto", 64), (torch.bfloat16, "auto", 64),
+                                                       (torch.float32, "int8", 64), (torch.float32, "auto", 128),
+                                                       (torch.bfloat16, "auto", 128)])
+def test_native_kernel_equals_the_pytorch_path(dtype, kv_dtype, head_dim):
     import copy
 
     from backends.builtin import kernels
     from backends.builtin.attention import AttentionMetadata, paged_attention
 
-    kv = filled_cache(kv_dtype, dtype)
-    assert kernels.available(torch.device("cpu"), kv.data.dtype, 64), kernels._failed
+    kv = filled_cache(kv_dtype, dtype, head_dim)
+    assert kernels.available(torch.device("cpu"), kv.data.dtype, head_dim), kernels._failed
     tables = [[3, 7, 9, 11, 20], [1, 2], [30, 31, 32], [40]]
     ctx = [70, 20, 40, 1]
     # both kernels (the chunk kernel where AVX-512 builds it); the decode kernel with chunks on the
@@ -105,14 +106,14 @@ def test_native_kernel_equals_the_pytorch_path(dtype, kv_dtype):
     # tokens (40 of 70, 39 of 40), a whole prompt (20 of 20)
     for q_lens in ([1, 1, 1, 1], [1, 5, 1, 1], [3, 5, 2, 1], [40, 20, 39, 1]):
         tokens = sum(q_lens)
-        q, k, v = (torch.randn(tokens, h, 64).to(dtype) for h in (9, 3, 3))
+        q, k, v = (torch.randn(tokens, h, head_dim).to(dtype) for h in (9, 3, 3))
         outs = []
         for use_kernel, chunk_kernel in paths:
             meta = AttentionMetadata.build(q_lens, ctx, tables, 16, torch.device("cpu"), use_kernel, chunk_kernel)
             assert (meta.kernel is not None) == (use_kernel and 1 in q_lens)
             assert (meta.chunks is not None) == (chunk_kernel and max(q_lens) > 1)
             assert bool(meta.gather) == (not chunk_kernel and (max(q_lens) > 1 or not use_kernel))
-            outs.append(paged_attention(q, k, v, copy.deepcopy(kv), meta, 64**-0.5).float())
+            outs.append(paged_attention(q, k, v, copy.deepcopy(kv), meta, head_dim**-0.5).float())
         for out in outs[:-1]:
             assert (out - outs[-1]).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 1e-5)
 
