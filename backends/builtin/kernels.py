@@ -91,8 +91,9 @@ def chunk_kernel_serves(dtype: torch.dtype) -> bool:
     """Whether prompt chunks of this cache dtype go to the chunk kernel rather than to SDPA over
     their gathered context. The kernel is built where AVX-512 is (on AVX2 SDPA's GEMMs are 1.5-2x
     faster than a portable form of it); bf16 chunks on a CPU with working AMX take SDPA, whose
-    GEMMs run on AMX tiles, faster there than the kernel's float32 FMAs and a first form of its VDPBF16PS pairs
-    (which serve bf16 wherever AVX512-BF16 runs without AMX: 2.2-2.5x the FMAs on AMD EPYC Zen 4)."""
+    GEMMs run on AMX tiles, faster there than the kernel's float32 FMAs and a first form of its
+    VDPBF16PS pairs (which serve bf16 wherever AVX512-BF16 runs without AMX: 2.2-2.5x the FMAs
+    on AMD EPYC Zen 4)."""
     module = _load()
     amx_bf16 = dtype == torch.bfloat16 and bf16_native() == "AMX-BF16"
     return module is not None and module.chunk_attention_native() and not amx_bf16
