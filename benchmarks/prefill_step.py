@@ -5,7 +5,9 @@ only the prompts' own tokens, attending the cached prefix too (a burst of questi
 system prompt: `--prompts 15 --length 32 --cached 512`); without it nothing is cached.
 
 Usage: python benchmarks/prefill_step.py [--prompts 4] [--length 512] [--cached 0] [--dtype auto|float32|bfloat16]
-    [--profile]
+    [--chunks auto|kernel|sdpa] [--profile]
+--chunks sends prompt chunks where the engine would (auto), to the chunk kernel, or to SDPA over
+their gathered context, to compare the two on one CPU (`kernels.chunk_kernel_serves` picks).
 --profile prints the top operators of one more step (torch.profiler; the native kernels are not
 operators: their time is what the table leaves of the step).
 """
@@ -17,6 +19,7 @@ import time
 
 import torch
 
+from backends.builtin import kernels
 from backends.builtin.config import EngineConfig
 from backends.builtin.engine import LLMEngine
 from backends.builtin.sequence import SamplingParams
@@ -42,10 +45,16 @@ def main() -> None:
     parser.add_argument("--cached", type=int, default=0,
                         help="tokens of a shared prefix already cached (its whole KV blocks)")
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
+    parser.add_argument("--chunks", default="auto", choices=("auto", "kernel", "sdpa"),
+                        help="where prompt chunks go: as the engine picks, the chunk kernel, or SDPA")
     parser.add_argument("--profile", action="store_true", help="the top operators of one more step")
     args = parser.parse_args()
     tokens = args.prompts * args.length
     engine = LLMEngine(EngineConfig(dtype=args.dtype, max_num_batched_tokens=tokens))
+    if args.chunks != "auto":
+        if args.chunks == "kernel" and not (engine.runner.use_kernel and kernels._load().chunk_attention_native()):
+            parser.error("the chunk kernel is not built on this CPU (it needs AVX-512)")
+        engine.runner.chunk_kernel = args.chunks == "kernel"
     prefix = [(j * 13) % 40000 + 50 for j in range(args.cached)]
     if prefix:  # its full blocks stay in the prefix cache once it finishes (chunked if over the budget)
         engine.generate([prefix], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
