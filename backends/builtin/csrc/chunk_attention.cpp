@@ -46,9 +46,12 @@ struct Chunk {
   const int64_t* table;
   int64_t start, first_position, heads, kv_heads, block_size;
   int64_t slot(int64_t j) const { return table[j / block_size] * block_size + j % block_size; }
+  int64_t group() const { return heads / kv_heads; }  // query heads per KV head
+  int64_t rows(const Item& item) const { return (item.last - item.first) * group(); }
+  int64_t keys(const Item& item) const { return first_position + item.last; }  // what its last token sees
   // The query (and output) row of the item's row-th row: token row / group, query head row % group.
-  int64_t row_of(const Item& item, int64_t row, int64_t group) const {
-    return (start + item.first + row / group) * heads + item.kv_head * group + row % group;
+  int64_t row_of(const Item& item, int64_t row) const {
+    return (start + item.first + row / group()) * heads + item.kv_head * group() + row % group();
   }
 };
 
@@ -59,8 +62,8 @@ struct FloatTiles {
   std::vector<float> keys, values, q;
 
   void load(const Chunk& chunk, const Item& item, const float* query, const scalar_t* key_cache,
-            const scalar_t* value_cache, const float* k_scales, const float* v_scales, int64_t keys_len,
-            int64_t rows, int64_t group, float scale) {
+            const scalar_t* value_cache, const float* k_scales, const float* v_scales, float scale) {
+    const int64_t keys_len = chunk.keys(item), rows = chunk.rows(item);
     const int64_t padded = (keys_len + kStep - 1) / kStep * kStep, g = item.kv_head, stride = chunk.kv_heads * D;
     keys.resize(padded * D);
     values.resize(padded * D);
@@ -82,7 +85,7 @@ struct FloatTiles {
     }
     q.assign((rows + kRows - 1) / kRows * kRows * D, 0.f);
     for (int64_t row = 0; row < rows; ++row) {
-      const float* from = query + chunk.row_of(item, row, group) * D;
+      const float* from = query + chunk.row_of(item, row) * D;
       for (int64_t d = 0; d < D; ++d) q[row * D + d] = from[d] * scale;
     }
   }
@@ -166,8 +169,8 @@ struct Bf16Pairs {
   float scale = 1.f;
 
   void load(const Chunk& chunk, const Item& item, const float* query, const at::BFloat16* key_cache,
-            const at::BFloat16* value_cache, const float*, const float*, int64_t keys_len, int64_t rows,
-            int64_t group, float scale_) {
+            const at::BFloat16* value_cache, const float*, const float*, float scale_) {
+    const int64_t keys_len = chunk.keys(item), rows = chunk.rows(item);
     const int64_t padded = (keys_len + kStep - 1) / kStep * kStep, g = item.kv_head, stride = chunk.kv_heads * D;
     keys.resize(padded * kPairs);
     values.resize(padded * kPairs);
@@ -198,7 +201,7 @@ struct Bf16Pairs {
     }
     q.assign((rows + kRows - 1) / kRows * kRows * kPairs, 0);
     for (int64_t row = 0; row < rows; ++row) {
-      const float* from = query + chunk.row_of(item, row, group) * D;
+      const float* from = query + chunk.row_of(item, row) * D;
       for (int64_t p = 0; p < D / 32; ++p)
         _mm512_storeu_si512(q.data() + row * kPairs + 16 * p,
                             (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(from + 32 * p + 16),
@@ -252,9 +255,8 @@ static void attend_item(const Item& item, const Chunk& chunk, const float* query
                         float* out) {
   thread_local Tiles tiles;
   thread_local std::vector<float> weights;  // [kRows][keys the group's last row sees, rounded up to a step]
-  const int64_t group = chunk.heads / chunk.kv_heads, rows = (item.last - item.first) * group;
-  tiles.load(chunk, item, query, key_cache, value_cache, k_scales, v_scales, chunk.first_position + item.last,
-             rows, group, scale);
+  const int64_t group = chunk.group(), rows = chunk.rows(item);
+  tiles.load(chunk, item, query, key_cache, value_cache, k_scales, v_scales, scale);
   for (int64_t row0 = 0; row0 < rows; row0 += kRows) {
     int64_t visible[kRows];  // keys 0..position: a padding row repeats the last row's; its output is dropped
     for (int64_t r = 0; r < kRows; ++r)
@@ -299,7 +301,7 @@ static void attend_item(const Item& item, const Chunk& chunk, const float* query
       tiles.add_values(step, p, o);
     }
     for (int64_t r = 0; r < kRows && row0 + r < rows; ++r) {
-      float* dst = out + chunk.row_of(item, row0 + r, group) * D;
+      float* dst = out + chunk.row_of(item, row0 + r) * D;
       const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum[r]));
       for (int64_t c = 0; c < D / 16; ++c) _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(o[r][c], inv));
     }
