@@ -76,13 +76,13 @@ def test_top_k_and_top_p_filters():
     assert torch.allclose(kept(4, 0.1), torch.tensor([[1.0, 0.0, 0.0, 0.0]]))  # the top token always stays
 
 
-def filled_cache(kv_dtype: str, dtype: torch.dtype, head_dim: int = 64):
+def filled_cache(kv_dtype: str, dtype: torch.dtype, head_dim: int = 64, kv_heads: int = 3):
     from backends.builtin.attention import LayerKV
 
     torch.manual_seed(0)
-    kv = LayerKV.allocate(64, 16, 3, head_dim, dtype, torch.device("cpu"), int8=kv_dtype == "int8")
+    kv = LayerKV.allocate(64, 16, kv_heads, head_dim, dtype, torch.device("cpu"), int8=kv_dtype == "int8")
     slots = torch.arange(64 * 16)
-    kv.write(slots, *(torch.randn(len(slots), 3, head_dim).to(dtype) for _ in "kv"))
+    kv.write(slots, *(torch.randn(len(slots), kv_heads, head_dim).to(dtype) for _ in "kv"))
     return kv
 
 
@@ -116,6 +116,25 @@ def test_native_kernel_equals_the_pytorch_path(dtype, kv_dtype, head_dim):
             outs.append(paged_attention(q, k, v, copy.deepcopy(kv), meta, head_dim**-0.5).float())
         for out in outs[:-1]:
             assert (out - outs[-1]).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [2, 4, 8, 12, 16])
+def test_native_decode_kernel_serves_every_head_grouping(dtype, heads):
+    """1, 2, 4, 6 and 8 query heads per KV head: the kernel sums the values of up to four at once."""
+    import copy
+
+    from backends.builtin.attention import AttentionMetadata, paged_attention
+
+    kv = filled_cache("auto", dtype, kv_heads=2)
+    tables, ctx = [[3, 7, 9, 11, 20], [1, 2], [40]], [70, 20, 1]
+    q, k, v = (torch.randn(3, h, 64).to(dtype) for h in (heads, 2, 2))
+    native, reference = (
+        paged_attention(q, k, v, copy.deepcopy(kv),
+                        AttentionMetadata.build([1, 1, 1], ctx, tables, 16, torch.device("cpu"), use_kernel, False),
+                        64**-0.5).float()
+        for use_kernel in (True, False))
+    assert (native - reference).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
 def test_native_layer_ops_equal_the_pytorch_path():

@@ -18,6 +18,22 @@
 
 #include "vec_exp.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+// The rows of slots [j0, j1) asked for ahead of their use, keys for the scores' pass, values for
+// the weighted sums': the blocks are scattered, so no hardware prefetcher guesses the next slots.
+template <typename scalar_t>
+static inline void prefetch_rows(const scalar_t* key_cache, const scalar_t* value_cache, const int64_t* slots,
+                                 int64_t j0, int64_t j1, int64_t slot_stride) {
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t byte = 0; byte < slot_stride * int64_t(sizeof(scalar_t)); byte += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(key_cache + slots[j] * slot_stride) + byte, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(value_cache + slots[j] * slot_stride) + byte, _MM_HINT_T1);
+    }
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // Sixteen vectors in, one out: lane i holds the sum of v[i]'s lanes. Four rounds of pairing
 // (45 instructions) instead of sixteen horizontal sums.
@@ -56,15 +72,7 @@ static void bf16_scores(const float* q, const at::BFloat16* key_cache, const at:
       rows[i] = key_cache + slots[j] * slot_stride;
     }
     const __mmask16 valid = (1u << std::min<int64_t>(16, len - j0)) - 1;
-    // The blocks are scattered, so no hardware prefetcher guesses the next slots: ask for them,
-    // keys for this pass, values for the third.
-    for (int64_t j = j0 + 16; j < std::min(j0 + 32, len); ++j) {
-      const int64_t slot = slots[j] * slot_stride;
-      for (int64_t byte = 0; byte < slot_stride * 2; byte += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(key_cache + slot) + byte, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(value_cache + slot) + byte, _MM_HINT_T1);
-      }
-    }
+    prefetch_rows(key_cache, value_cache, slots, j0 + 16, std::min(j0 + 32, len), slot_stride);
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t offset = h / group * D;
       __m512 acc[16];
@@ -105,6 +113,67 @@ static void bf16_values(const float* scores, const at::BFloat16* value_cache, co
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define AVX2_FLOAT32 1  // a float32 cache on an AVX2 CPU: passes 1 and 3 in 8-lane registers
+// Eight vectors in, one out: lane i holds the sum of v[i]'s lanes.
+static inline __m256 sum_lanes8(const __m256 v[8]) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // a: v0..v3's sums over their low halves, then over their high halves; b: v4..v7's
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// Pass 1: eight slots at a time, every head over them, each score's products summed in a
+// register of its own and the eight registers reduced together (a horizontal sum per score was
+// most of this pass's time). The eight rows stay in L1 while the heads read them.
+template <int64_t D>
+static void f32_scores(const float* q, const float* key_cache, const float* value_cache, const int64_t* slots,
+                       int64_t len, int64_t heads, int64_t kv_heads, float scale, float* scores) {
+  const int64_t group = heads / kv_heads, slot_stride = kv_heads * D;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t j0 = 0; j0 < len; j0 += 8) {
+    const float* rows[8];
+    for (int64_t i = 0; i < 8; ++i) rows[i] = key_cache + slots[std::min(j0 + i, len - 1)] * slot_stride;
+    const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(8, len - j0))), lane);
+    prefetch_rows(key_cache, value_cache, slots, j0 + 8, std::min(j0 + 16, len), slot_stride);
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t offset = h / group * D;
+      __m256 acc[8];
+      for (int64_t i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + h * D + d);
+        for (int64_t i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(rows[i] + offset + d), acc[i]);
+      }
+      _mm256_maskstore_ps(scores + h * len + j0, valid, _mm256_mul_ps(sum_lanes8(acc), _mm256_set1_ps(scale)));
+    }
+  }
+}
+
+// Pass 3: a KV head's value rows weighted for its G query heads from h0 on, C of the row's
+// eight-float chunks at a time, so that the G x C sums stay in AVX2's sixteen registers.
+template <int64_t D, int64_t G>
+static void f32_values(const float* scores, const float* value_cache, const int64_t* slots, int64_t len,
+                       int64_t slot_stride, int64_t offset, int64_t h0, float* out) {
+  constexpr int64_t C = G == 1 ? 8 : G <= 3 ? 4 : 2;
+  for (int64_t c0 = 0; c0 < D / 8; c0 += C) {
+    __m256 acc[G][C];
+    for (int64_t k = 0; k < G; ++k)
+      for (int64_t c = 0; c < C; ++c) acc[k][c] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < len; ++j) {
+      const float* v = value_cache + slots[j] * slot_stride + offset + 8 * c0;
+      __m256 w[G];
+      for (int64_t k = 0; k < G; ++k) w[k] = _mm256_broadcast_ss(scores + (h0 + k) * len + j);
+      for (int64_t c = 0; c < C; ++c) {
+        const __m256 row = _mm256_loadu_ps(v + 8 * c);
+        for (int64_t k = 0; k < G; ++k) acc[k][c] = _mm256_fmadd_ps(w[k], row, acc[k][c]);
+      }
+    }
+    for (int64_t k = 0; k < G; ++k)
+      for (int64_t c = 0; c < C; ++c) _mm256_storeu_ps(out + (h0 + k) * D + 8 * (c0 + c), acc[k][c]);
+  }
+}
+#endif
+
 // Normalized exponentials of s[0..len), in place, shifted by their max.
 static void softmax(float* s, int64_t len) {
 #if defined(__AVX512F__)
@@ -121,6 +190,26 @@ static void softmax(float* s, int64_t len) {
   const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
   for (int64_t j = 0; j < len; j += 16)
     _mm512_mask_storeu_ps(s + j, tail(j), _mm512_mul_ps(_mm512_maskz_loadu_ps(tail(j), s + j), inv));
+#elif defined(AVX2_FLOAT32)
+  const int64_t whole = len / 8 * 8;
+  alignas(32) float lanes[8];
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < whole; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
+  _mm256_store_ps(lanes, m);
+  float max = *std::max_element(lanes, lanes + 8);
+  for (int64_t j = whole; j < len; ++j) max = std::max(max, s[j]);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < whole; j += 8) {
+    const __m256 x = exp256_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(max)));
+    sum = _mm256_add_ps(sum, x);
+    _mm256_storeu_ps(s + j, x);
+  }
+  _mm256_store_ps(lanes, sum);
+  float total = std::accumulate(lanes, lanes + 8, 0.f);
+  for (int64_t j = whole; j < len; ++j) total += s[j] = exp_nonpositive(s[j] - max);
+  const float inv = 1.f / total;
+  for (int64_t j = 0; j < whole; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(inv)));
+  for (int64_t j = whole; j < len; ++j) s[j] *= inv;
 #else
   const float max = *std::max_element(s, s + len);
   float sum = 0.f;
@@ -158,6 +247,11 @@ static void attend(const float* q, const scalar_t* key_cache, const scalar_t* va
     bf16_scores<D>(q, key_cache, value_cache, slots.data(), len, heads, kv_heads, scale, scores.data());
   } else
 #endif
+#if defined(AVX2_FLOAT32)
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    f32_scores<D>(q, key_cache, value_cache, slots.data(), len, heads, kv_heads, scale, scores.data());
+  } else
+#endif
   // Every head of a slot at once (the slot's rows are contiguous). Each KV head's row is widened
   // to float32 once, in its own vectorized loop, for the query heads that share it (converting
   // inside the dot product kept bf16 from vectorizing: twice float32's time).
@@ -188,6 +282,14 @@ static void attend(const float* q, const scalar_t* key_cache, const scalar_t* va
       if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
         constexpr decltype(&bf16_values<D, 1>) kValues[kMaxGroup] = {bf16_values<D, 1>, bf16_values<D, 2>,
                                                                      bf16_values<D, 3>, bf16_values<D, 4>};
+        kValues[n - 1](scores.data(), value_cache, slots.data(), len, slot_stride, g * D, h0, out);
+        continue;
+      }
+#endif
+#if defined(AVX2_FLOAT32)
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        constexpr decltype(&f32_values<D, 1>) kValues[kMaxGroup] = {f32_values<D, 1>, f32_values<D, 2>,
+                                                                    f32_values<D, 3>, f32_values<D, 4>};
         kValues[n - 1](scores.data(), value_cache, slots.data(), len, slot_stride, g * D, h0, out);
         continue;
       }
