@@ -123,9 +123,9 @@ static inline __m256 sum_lanes8(const __m256 v[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
-// Pass 1: eight slots at a time, every head over them, each score's products summed in a
-// register of its own and the eight registers reduced together (a horizontal sum per score was
-// most of this pass's time). The eight rows stay in L1 while the heads read them.
+// Pass 1 for a float32 cache on AVX2: eight slots at a time, every head over them, each score's
+// products summed in a register of its own and the eight registers reduced together, rather than
+// one horizontal sum a score. The eight rows stay in L1 while the heads read them.
 template <int64_t D>
 static void f32_scores(const float* q, const float* key_cache, const float* value_cache, const int64_t* slots,
                        int64_t len, int64_t heads, int64_t kv_heads, float scale, float* scores) {
@@ -149,8 +149,9 @@ static void f32_scores(const float* q, const float* key_cache, const float* valu
   }
 }
 
-// Pass 3: a KV head's value rows weighted for its G query heads from h0 on, C of the row's
-// eight-float chunks at a time, so that the G x C sums stay in AVX2's sixteen registers.
+// Pass 3 for a float32 cache on AVX2: a KV head's value rows weighted for its G query heads from
+// h0 on, C of the row's eight-float chunks at a time, so that the G x C sums and the G weights
+// stay in AVX2's sixteen registers.
 template <int64_t D, int64_t G>
 static void f32_values(const float* scores, const float* value_cache, const int64_t* slots, int64_t len,
                        int64_t slot_stride, int64_t offset, int64_t h0, float* out) {
