@@ -25,14 +25,13 @@ import time
 
 import torch
 from decode_step import decode_step_ms, prompt
+from quant_accuracy import TOPICS, chat_prompt
 
 from backends.builtin.config import EngineConfig
 from backends.builtin.engine import LLMEngine
 from backends.builtin.loader import load_model, model_dir
 from backends.builtin.sequence import SamplingParams
 
-TOPICS = ["the sea", "gravity", "a city at night", "prime numbers", "bread", "the moon", "trains", "winter",
-          "a library", "volcanoes"]
 OPENINGS = ["The three laws of thermodynamics are", "def fibonacci(n):", "Once upon a time, in a small village,",
             "The capital of France is", "Photosynthesis is the process by which"]
 LONG = ("A lighthouse keeper logs the weather every hour: wind, swell, the colour of the sky, which ships pass "
@@ -41,13 +40,10 @@ LONG = ("A lighthouse keeper logs the weather every hour: wind, swell, the colou
 
 
 def agreement_prompts(tok) -> list[list[int]]:
-    chats = [tok.apply_chat_template([{"role": "user", "content": f"Write a few sentences about {t}."}],
-                                     add_generation_prompt=True, tokenize=False) for t in TOPICS]
-    long_texts = [LONG * (25 + 3 * i) + f"Question {i}: what does the historian find? Answer:" for i in range(3)]
-    long_chats = [tok.apply_chat_template([{"role": "user", "content": LONG * (24 + 2 * i) + "Summarize this."}],
-                                          add_generation_prompt=True, tokenize=False) for i in range(2)]
-    texts = chats + OPENINGS + long_texts + long_chats
-    return [tok.encode(t, add_special_tokens=False) for t in texts]
+    chats = [chat_prompt(tok, f"Write a few sentences about {t}.") for t in TOPICS[:10]]
+    chats += [chat_prompt(tok, LONG * (24 + 2 * i) + "Summarize this.") for i in range(2)]
+    texts = OPENINGS + [LONG * (25 + 3 * i) + f"Question {i}: what does the historian find? Answer:" for i in range(3)]
+    return chats + [tok.encode(t, add_special_tokens=False) for t in texts]
 
 
 def agreement(loaded, device: str, max_tokens: int) -> dict:

@@ -22,6 +22,12 @@ TOPICS = ["the sea", "gravity", "a city at night", "prime numbers", "bread", "th
           "a library", "volcanoes", "chess", "rain", "bees", "deserts", "music", "friendship"]
 
 
+def chat_prompt(tok, content: str) -> list[int]:
+    """The token ids of one user message, templated as a chat request is."""
+    text = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+    return tok.encode(text, add_special_tokens=False)
+
+
 def recorded(engine: LLMEngine, prompt: list[int], max_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
     logits: list[torch.Tensor] = []
     run = engine.runner.run
@@ -54,9 +60,7 @@ def main() -> None:
                "variant": LLMEngine(EngineConfig(kv_cache_tokens=4096, **variant), loaded)}
     agreement, identical, worst = [], 0, 0.0
     for topic in TOPICS[: args.prompts]:
-        text = tok.apply_chat_template([{"role": "user", "content": f"Write a few sentences about {topic}."}],
-                                       add_generation_prompt=True, tokenize=False)
-        prompt = tok.encode(text, add_special_tokens=False)
+        prompt = chat_prompt(tok, f"Write a few sentences about {topic}.")
         (ref, ref_logits), (q8, q8_logits) = (recorded(engines[k], prompt, args.max_tokens) for k in engines)
         same = next((i for i, (a, b) in enumerate(zip(ref, q8)) if a != b), min(len(ref), len(q8)))
         agreement.append(same / len(ref))
