@@ -34,7 +34,7 @@ static inline void prefetch_rows(const scalar_t* key_cache, const scalar_t* valu
 }
 #endif
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 // Sixteen vectors in, one out: lane i holds the sum of v[i]'s lanes. Four rounds of pairing
 // (45 instructions) instead of sixteen horizontal sums.
 static inline __m512 sum_lanes16(const __m512 v[16]) {
@@ -50,59 +50,76 @@ static inline __m512 sum_lanes16(const __m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xdd));
 }
 
-// Pass 1 for a bf16 cache on a CPU with AVX512-BF16: each score is a dot product of bf16 pairs
-// (VDPBF16PS: exact products, float32 sums) with no widening of the keys, sixteen slots at a
-// time, their sums gathered by `sum_lanes16`. The query is a bf16 model's, so it converts exactly.
-template <int64_t D>
-static void bf16_scores(const float* q, const at::BFloat16* key_cache, const at::BFloat16* value_cache,
-                        const int64_t* slots, int64_t len, int64_t heads, int64_t kv_heads, float scale,
-                        float* scores) {
-  constexpr int64_t kPairs = D / 32;  // 32 bf16 values per register
+// How the AVX-512 passes read a cache's rows: the query's form for the dot products, one step of
+// a dot product, and sixteen values of a row in float32.
+struct Float32Rows {
+  using scalar_t = float;
+  using Query = __m512;
+  static constexpr int64_t kStep = 16;  // elements of a row per dot product step
+  static Query query(const float* q) { return _mm512_loadu_ps(q); }
+  static __m512 dot(__m512 acc, Query q, const float* k) { return _mm512_fmadd_ps(q, _mm512_loadu_ps(k), acc); }
+  static __m512 widen(const float* v) { return _mm512_loadu_ps(v); }
+};
+
+#if defined(__AVX512BF16__)
+// bf16 pairs multiplied in VDPBF16PS (exact products, float32 sums) with no widening of the keys;
+// the query is a bf16 model's, so it converts exactly. A value row is widened by a shift.
+struct Bf16Rows {
+  using scalar_t = at::BFloat16;
+  using Query = __m512bh;
+  static constexpr int64_t kStep = 32;
+  static Query query(const float* q) { return _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 16), _mm512_loadu_ps(q)); }
+  static __m512 dot(__m512 acc, Query q, const at::BFloat16* k) {
+    return _mm512_dpbf16_ps(acc, q, (__m512bh)_mm512_loadu_si512(k));
+  }
+  static __m512 widen(const at::BFloat16* v) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v))), 16));
+  }
+};
+#endif
+
+// Pass 1 on AVX-512: sixteen slots at a time, every head over them, each score's products summed
+// in a register of its own and the sixteen reduced together by `sum_lanes16`, rather than one
+// horizontal sum a score. The sixteen rows stay in L1 while the heads read them.
+template <typename Rows, int64_t D>
+static void scores512(const float* q, const typename Rows::scalar_t* key_cache,
+                      const typename Rows::scalar_t* value_cache, const int64_t* slots, int64_t len, int64_t heads,
+                      int64_t kv_heads, float scale, float* scores) {
+  constexpr int64_t kSteps = D / Rows::kStep;
   const int64_t group = heads / kv_heads, slot_stride = kv_heads * D;
-  std::vector<__m512bh> qb(heads * kPairs);
+  std::vector<typename Rows::Query> qs(heads * kSteps);
   for (int64_t h = 0; h < heads; ++h)
-    for (int64_t p = 0; p < kPairs; ++p)
-      qb[h * kPairs + p] =
-          _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + h * D + 32 * p + 16), _mm512_loadu_ps(q + h * D + 32 * p));
-  // Sixteen slots at a time, every head over them, so their rows are read from memory once, in order.
+    for (int64_t p = 0; p < kSteps; ++p) qs[h * kSteps + p] = Rows::query(q + h * D + Rows::kStep * p);
   for (int64_t j0 = 0; j0 < len; j0 += 16) {
-    const at::BFloat16* rows[16];
-    for (int64_t i = 0; i < 16; ++i) {
-      const int64_t j = std::min(j0 + i, len - 1);  // past the end: a repeat, not stored
-      rows[i] = key_cache + slots[j] * slot_stride;
-    }
-    const __mmask16 valid = (1u << std::min<int64_t>(16, len - j0)) - 1;
+    const typename Rows::scalar_t* rows[16];
+    for (int64_t i = 0; i < 16; ++i) rows[i] = key_cache + slots[std::min(j0 + i, len - 1)] * slot_stride;
+    const __mmask16 valid = (1u << std::min<int64_t>(16, len - j0)) - 1;  // past the end: a repeat, not stored
     prefetch_rows(key_cache, value_cache, slots, j0 + 16, std::min(j0 + 32, len), slot_stride);
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t offset = h / group * D;
       __m512 acc[16];
-      for (int64_t i = 0; i < 16; ++i) {
-        acc[i] = _mm512_setzero_ps();
-        for (int64_t p = 0; p < kPairs; ++p)
-          acc[i] = _mm512_dpbf16_ps(acc[i], qb[h * kPairs + p],
-                                    (__m512bh)_mm512_loadu_si512(rows[i] + offset + 32 * p));
-      }
+      for (int64_t i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < 16; ++i)
+        for (int64_t p = 0; p < kSteps; ++p) acc[i] = Rows::dot(acc[i], qs[h * kSteps + p], rows[i] + offset + Rows::kStep * p);
       _mm512_mask_storeu_ps(scores + h * len + j0, valid, _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scale)));
     }
   }
 }
 
-// Pass 3 for a bf16 cache: a KV head's value rows (at `offset` in each slot) weighted for its G
-// query heads from h0 on, whose G x D/16 float32 sums stay in registers; each row widened once
-// (a shift).
-template <int64_t D, int64_t G>
-static void bf16_values(const float* scores, const at::BFloat16* value_cache, const int64_t* slots, int64_t len,
-                        int64_t slot_stride, int64_t offset, int64_t h0, float* out) {
+// Pass 3 on AVX-512: a KV head's value rows (at `offset` in each slot) weighted for its G query
+// heads from h0 on, whose G x D/16 float32 sums stay in registers; each row read (and widened) once.
+template <typename Rows, int64_t D, int64_t G>
+static void values512(const float* scores, const typename Rows::scalar_t* value_cache, const int64_t* slots,
+                      int64_t len, int64_t slot_stride, int64_t offset, int64_t h0, float* out) {
   constexpr int64_t kRegs = D / 16;
   __m512 acc[G][kRegs];
   for (int64_t k = 0; k < G; ++k)
     for (int64_t r = 0; r < kRegs; ++r) acc[k][r] = _mm512_setzero_ps();
   for (int64_t j = 0; j < len; ++j) {
-    const at::BFloat16* v = value_cache + slots[j] * slot_stride + offset;
+    const typename Rows::scalar_t* v = value_cache + slots[j] * slot_stride + offset;
     __m512 row[kRegs];
-    for (int64_t r = 0; r < kRegs; ++r)
-      row[r] = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * r))), 16));
+    for (int64_t r = 0; r < kRegs; ++r) row[r] = Rows::widen(v + 16 * r);
     for (int64_t k = 0; k < G; ++k) {
       const __m512 w = _mm512_set1_ps(scores[(h0 + k) * len + j]);
       for (int64_t r = 0; r < kRegs; ++r) acc[k][r] = _mm512_fmadd_ps(w, row[r], acc[k][r]);
@@ -111,6 +128,13 @@ static void bf16_values(const float* scores, const at::BFloat16* value_cache, co
   for (int64_t k = 0; k < G; ++k)
     for (int64_t r = 0; r < kRegs; ++r) _mm512_storeu_ps(out + (h0 + k) * D + 16 * r, acc[k][r]);
 }
+
+// The row type the AVX-512 passes read a cache of scalar_t with; void: the generic loops serve it.
+template <typename scalar_t> struct Avx512Rows { using type = void; };
+template <> struct Avx512Rows<float> { using type = Float32Rows; };
+#if defined(__AVX512BF16__)
+template <> struct Avx512Rows<at::BFloat16> { using type = Bf16Rows; };
+#endif
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
@@ -243,9 +267,10 @@ static void attend(const float* q, const scalar_t* key_cache, const scalar_t* va
     for (int64_t i = 0; i < block_size && j < len; ++i, ++j) slots[j] = table[b] * block_size + i;
   float row[D];
   // Pass 1: scores.
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-    bf16_scores<D>(q, key_cache, value_cache, slots.data(), len, heads, kv_heads, scale, scores.data());
+#if defined(__AVX512F__)
+  using Rows = typename Avx512Rows<scalar_t>::type;
+  if constexpr (!std::is_void_v<Rows>) {
+    scores512<Rows, D>(q, key_cache, value_cache, slots.data(), len, heads, kv_heads, scale, scores.data());
   } else
 #endif
 #if defined(AVX2_FLOAT32)
@@ -279,10 +304,10 @@ static void attend(const float* q, const scalar_t* key_cache, const scalar_t* va
   for (int64_t g = 0; g < kv_heads; ++g) {
     for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += kMaxGroup) {
       const int64_t n = std::min<int64_t>(kMaxGroup, (g + 1) * group - h0);
-#if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-        constexpr decltype(&bf16_values<D, 1>) kValues[kMaxGroup] = {bf16_values<D, 1>, bf16_values<D, 2>,
-                                                                     bf16_values<D, 3>, bf16_values<D, 4>};
+#if defined(__AVX512F__)
+      if constexpr (!std::is_void_v<Rows>) {
+        constexpr decltype(&values512<Rows, D, 1>) kValues[kMaxGroup] = {
+            values512<Rows, D, 1>, values512<Rows, D, 2>, values512<Rows, D, 3>, values512<Rows, D, 4>};
         kValues[n - 1](scores.data(), value_cache, slots.data(), len, slot_stride, g * D, h0, out);
         continue;
       }
