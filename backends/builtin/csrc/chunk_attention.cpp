@@ -55,7 +55,52 @@ struct Chunk {
   }
 };
 
-// An item's keys and values widened to float32 once, keys transposed sixteen slots to a vector
+// Sixteen rows of sixteen 32-bit values transposed in registers: pairs of rows interleaved, then
+// pairs of pairs, then 128-bit lanes gathered twice.
+static inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + c]: rows i..i+3 of columns c, c + 4, c + 8, c + 12, one per lane
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // t[c]: columns c and c + 8; t[c + 4]: c + 4 and c + 12 (rows 0-7, or 8-15 at + 8)
+    t[c] = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
+    t[c + 4] = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+    t[c + 8] = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    t[c + 12] = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+  }
+  for (int c = 0; c < 8; ++c) {
+    r[c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0x88);
+    r[c + 8] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0xdd);
+  }
+}
+
+// The key and value rows of a tile's sixteen slots from j0 on, for the item's KV head; null past
+// the chunk's last key (read as 0: 0 * garbage could be NaN).
+template <typename scalar_t, int64_t D>
+static void tile_rows(const Chunk& chunk, const Item& item, int64_t j0, const scalar_t* key_cache,
+                      const scalar_t* value_cache, const scalar_t* (&k)[kTile], const scalar_t* (&v)[kTile]) {
+  for (int64_t i = 0; i < kTile; ++i) {
+    const int64_t offset = j0 + i < chunk.keys(item) ? chunk.slot(j0 + i) * chunk.kv_heads * D + item.kv_head * D : -1;
+    k[i] = offset < 0 ? nullptr : key_cache + offset;
+    v[i] = offset < 0 ? nullptr : value_cache + offset;
+  }
+}
+
+// 64 bytes of a row from element `at` on; zeros for a null row.
+template <typename scalar_t>
+static inline __m512i row512(const scalar_t* from, int64_t at) {
+  return from ? _mm512_loadu_si512(from + at) : _mm512_setzero_si512();
+}
+
+// An item's keys and values in float32 once (a float32 cache's copied, sixteen slots' keys
+// transposed in registers; others widened), keys transposed sixteen slots to a vector
 // ([tile][d][slot]), values row by row; each key or value vector feeds four rows' FMAs.
 template <typename scalar_t, int64_t D>
 struct FloatTiles {
@@ -64,24 +109,40 @@ struct FloatTiles {
   void load(const Chunk& chunk, const Item& item, const float* query, const scalar_t* key_cache,
             const scalar_t* value_cache, const float* k_scales, const float* v_scales, float scale) {
     const int64_t keys_len = chunk.keys(item), rows = chunk.rows(item);
-    const int64_t padded = (keys_len + kStep - 1) / kStep * kStep, g = item.kv_head, stride = chunk.kv_heads * D;
+    const int64_t padded = (keys_len + kStep - 1) / kStep * kStep;
     keys.resize(padded * D);
     values.resize(padded * D);
-    for (int64_t j = 0; j < padded; ++j) {
-      float* kt = keys.data() + (j / kTile) * D * kTile + j % kTile;
-      float* vr = values.data() + j * D;
-      if (j >= keys_len) {  // past the end: weight 0, and 0 * garbage could be NaN
-        for (int64_t d = 0; d < D; ++d) kt[d * kTile] = vr[d] = 0.f;
-        continue;
+    if constexpr (std::is_same_v<scalar_t, float>) {  // nothing to widen or scale: sixteen slots transposed at once
+      for (int64_t j0 = 0; j0 < padded; j0 += kTile) {
+        const float *k[kTile], *v[kTile];
+        tile_rows<float, D>(chunk, item, j0, key_cache, value_cache, k, v);
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+          __m512i block[16];
+          for (int64_t i = 0; i < kTile; ++i) block[i] = row512(k[i], d0);
+          transpose16(block);
+          for (int64_t d = 0; d < 16; ++d) _mm512_storeu_si512(keys.data() + (j0 * D + (d0 + d) * kTile), block[d]);
+        }
+        for (int64_t i = 0; i < kTile; ++i)
+          for (int64_t d = 0; d < D; d += 16) _mm512_storeu_si512(values.data() + (j0 + i) * D + d, row512(v[i], d));
       }
-      const int64_t slot = chunk.slot(j);
-      const scalar_t* k = key_cache + slot * stride + g * D;
-      const scalar_t* v = value_cache + slot * stride + g * D;
-      const float ks = k_scales ? k_scales[slot * chunk.kv_heads + g] : 1.f;
-      const float vs = v_scales ? v_scales[slot * chunk.kv_heads + g] : 1.f;
-      for (int64_t d = 0; d < D; ++d) kt[d * kTile] = static_cast<float>(k[d]) * ks;
+    } else {  // widened (and scaled, for int8) one element at a time
+      const int64_t g = item.kv_head, stride = chunk.kv_heads * D;
+      for (int64_t j = 0; j < padded; ++j) {
+        float* kt = keys.data() + (j / kTile) * D * kTile + j % kTile;
+        float* vr = values.data() + j * D;
+        if (j >= keys_len) {  // past the end: weight 0, and 0 * garbage could be NaN
+          for (int64_t d = 0; d < D; ++d) kt[d * kTile] = vr[d] = 0.f;
+          continue;
+        }
+        const int64_t slot = chunk.slot(j);
+        const scalar_t* k = key_cache + slot * stride + g * D;
+        const scalar_t* v = value_cache + slot * stride + g * D;
+        const float ks = k_scales ? k_scales[slot * chunk.kv_heads + g] : 1.f;
+        const float vs = v_scales ? v_scales[slot * chunk.kv_heads + g] : 1.f;
+        for (int64_t d = 0; d < D; ++d) kt[d * kTile] = static_cast<float>(k[d]) * ks;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) vr[d] = static_cast<float>(v[d]) * vs;
+        for (int64_t d = 0; d < D; ++d) vr[d] = static_cast<float>(v[d]) * vs;
+      }
     }
     q.assign((rows + kRows - 1) / kRows * kRows * D, 0.f);
     for (int64_t row = 0; row < rows; ++row) {
@@ -125,32 +186,6 @@ struct FloatTiles {
 };
 
 #if defined(__AVX512BF16__)
-// Sixteen rows of sixteen 32-bit values transposed in registers: pairs of rows interleaved, then
-// pairs of pairs, then 128-bit lanes gathered twice.
-static inline void transpose16(__m512i (&r)[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // u[i + c]: rows i..i+3 of columns c, c + 4, c + 8, c + 12, one per lane
-    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {  // t[c]: columns c and c + 8; t[c + 4]: c + 4 and c + 12 (rows 0-7, or 8-15 at + 8)
-    t[c] = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
-    t[c + 4] = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
-    t[c + 8] = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
-    t[c + 12] = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
-  }
-  for (int c = 0; c < 8; ++c) {
-    r[c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0x88);
-    r[c + 8] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0xdd);
-  }
-}
-
 // Word indices that interleave two vectors of 32 bf16 values: the first 16 of each, then the last 16.
 static const __m512i kInterleaveLow = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
@@ -171,29 +206,22 @@ struct Bf16Pairs {
   void load(const Chunk& chunk, const Item& item, const float* query, const at::BFloat16* key_cache,
             const at::BFloat16* value_cache, const float*, const float*, float scale_) {
     const int64_t keys_len = chunk.keys(item), rows = chunk.rows(item);
-    const int64_t padded = (keys_len + kStep - 1) / kStep * kStep, g = item.kv_head, stride = chunk.kv_heads * D;
+    const int64_t padded = (keys_len + kStep - 1) / kStep * kStep;
     keys.resize(padded * kPairs);
     values.resize(padded * kPairs);
     for (int64_t j0 = 0; j0 < padded; j0 += kTile) {
-      const at::BFloat16 *k[kTile], *v[kTile];  // the tile's rows; null past the end (read as 0: 0 * garbage could be NaN)
-      for (int64_t i = 0; i < kTile; ++i) {
-        const int64_t offset = j0 + i < keys_len ? chunk.slot(j0 + i) * stride + g * D : -1;
-        k[i] = offset < 0 ? nullptr : key_cache + offset;
-        v[i] = offset < 0 ? nullptr : value_cache + offset;
-      }
-      const auto row = [](const at::BFloat16* from, int64_t at) {
-        return from ? _mm512_loadu_si512(from + at) : _mm512_setzero_si512();
-      };
+      const at::BFloat16 *k[kTile], *v[kTile];
+      tile_rows<at::BFloat16, D>(chunk, item, j0, key_cache, value_cache, k, v);
       for (int64_t p0 = 0; p0 < kPairs; p0 += 16) {  // keys: 16 slots x 16 pairs, transposed
         __m512i block[16];
-        for (int64_t i = 0; i < kTile; ++i) block[i] = row(k[i], 2 * p0);
+        for (int64_t i = 0; i < kTile; ++i) block[i] = row512(k[i], 2 * p0);
         transpose16(block);
         for (int64_t p = 0; p < 16; ++p) _mm512_storeu_si512(keys.data() + (j0 * kPairs + (p0 + p) * kTile), block[p]);
       }
       for (int64_t i = 0; i < kTile; i += 2) {  // values: two keys' rows interleaved, 32 dimensions at a time
         uint32_t* pair = values.data() + (j0 + i) / 2 * D;
         for (int64_t d = 0; d < D; d += 32) {
-          const __m512i first = row(v[i], d), second = row(v[i + 1], d);
+          const __m512i first = row512(v[i], d), second = row512(v[i + 1], d);
           _mm512_storeu_si512(pair + d, _mm512_permutex2var_epi16(first, kInterleaveLow, second));
           _mm512_storeu_si512(pair + d + 16, _mm512_permutex2var_epi16(first, kInterleaveHigh, second));
         }
