@@ -3,7 +3,7 @@
 // A chunk is a run of consecutive tokens of one sequence (a whole prompt, or the part of it
 // after cached tokens); its token r at absolute position p sees keys 0..p. One work item is 16
 // tokens of one chunk and one KV head, with the query heads that share it (GQA): its keys and
-// values are laid out once for all its rows (widened to float32, or, for a bf16 cache on a CPU
+// values are laid out once for all its rows (in float32, or, for a bf16 cache on a CPU
 // with AVX512-BF16, kept in bf16 pairs for VDPBF16PS), read through the block table, so nothing
 // is gathered or padded; its rows then walk them four at a time, an exact softmax in float32 over
 // the keys each row sees. Where SDPA over a padded gather attends every key under a mask, this
@@ -87,7 +87,8 @@ template <typename scalar_t, int64_t D>
 static void tile_rows(const Chunk& chunk, const Item& item, int64_t j0, const scalar_t* key_cache,
                       const scalar_t* value_cache, const scalar_t* (&k)[kTile], const scalar_t* (&v)[kTile]) {
   for (int64_t i = 0; i < kTile; ++i) {
-    const int64_t offset = j0 + i < chunk.keys(item) ? chunk.slot(j0 + i) * chunk.kv_heads * D + item.kv_head * D : -1;
+    const int64_t offset =
+        j0 + i < chunk.keys(item) ? (chunk.slot(j0 + i) * chunk.kv_heads + item.kv_head) * D : -1;
     k[i] = offset < 0 ? nullptr : key_cache + offset;
     v[i] = offset < 0 ? nullptr : value_cache + offset;
   }

@@ -99,9 +99,11 @@ static void scores512(const float* q, const typename Rows::scalar_t* key_cache,
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t offset = h / group * D;
       __m512 acc[16];
-      for (int64_t i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-      for (int64_t i = 0; i < 16; ++i)
-        for (int64_t p = 0; p < kSteps; ++p) acc[i] = Rows::dot(acc[i], qs[h * kSteps + p], rows[i] + offset + Rows::kStep * p);
+      for (int64_t i = 0; i < 16; ++i) {
+        acc[i] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < kSteps; ++p)
+          acc[i] = Rows::dot(acc[i], qs[h * kSteps + p], rows[i] + offset + Rows::kStep * p);
+      }
       _mm512_mask_storeu_ps(scores + h * len + j0, valid, _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scale)));
     }
   }
