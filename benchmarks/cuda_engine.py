@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 from decode_step import decode_step_ms, prompt
 from quant_accuracy import TOPICS, chat_prompt
 
+from advisor.bench.metrics import RequestResult, summarize
 from backends.builtin.config import EngineConfig
 from backends.builtin.engine import LLMEngine
 from backends.builtin.loader import load_model, model_dir
@@ -73,41 +73,38 @@ def agreement(loaded, device: str, max_tokens: int) -> dict:
     return {"prompts": len(rows), "identical": sum(r["identical"] for r in rows), "rows": rows}
 
 
-def ms(seconds: float) -> float:
-    return round(seconds * 1e3, 1)
-
-
 def shared_prefix_load(engine: LLMEngine, requests: int = 32, concurrency: int = 16, groups: int = 4,
                        shared: int = 512, own: int = 32, output: int = 64, salt: int = 0) -> dict:
+    """The load's figures, measured and summarized as `servegate bench` does (`RequestResult`s, `summarize`)."""
     params = SamplingParams(max_tokens=output, temperature=0.0, ignore_eos=True)
     queue = [prompt(i + salt, shared + own, groups, shared) for i in range(requests)]
-    sent, first, done, in_flight = {}, {}, {}, 0
-    start = time.perf_counter()
+    results = [RequestResult(prompt_tokens=len(ids)) for ids in queue]
+    sent, start = 0, time.perf_counter()
 
-    def send(i):
-        nonlocal in_flight
-        sent[i] = time.perf_counter()
-        engine.add_request(f"{salt}-{i}", queue[i], params)
-        in_flight += 1
+    def send():
+        nonlocal sent
+        results[sent].start = time.perf_counter() - start
+        engine.add_request(f"{salt}-{sent}", queue[sent], params)
+        sent += 1
 
-    for i in range(min(concurrency, requests)):
-        send(i)
+    for _ in range(min(concurrency, requests)):
+        send()
     while engine.has_work:
         outputs = engine.step()
-        now = time.perf_counter()
+        now = time.perf_counter() - start
         for out in outputs:
-            i = int(out.request_id.split("-")[1])
-            first.setdefault(i, now)
+            result = results[int(out.request_id.split("-")[1])]
+            result.output_tokens += len(out.token_ids)
+            if result.ttft is None:
+                result.ttft = now - result.start
             if out.finish_reason:
-                done[i], in_flight = now, in_flight - 1
-                if len(sent) < requests:
-                    send(len(sent))
-    elapsed = time.perf_counter() - start
-    ttft = [first[i] - sent[i] for i in sent]
-    tpot = [(done[i] - first[i]) / (output - 1) for i in sent]
-    return {"output_tok_s": round(requests * output / elapsed, 1), "p50_ttft_ms": ms(statistics.median(ttft)),
-            "mean_ttft_ms": ms(statistics.mean(ttft)), "p50_tpot_ms": ms(statistics.median(tpot)),
-            "seconds": round(elapsed, 2)}
+                result.e2el = now - result.start
+                if sent < requests:
+                    send()
+    summary = summarize(results, time.perf_counter() - start)
+    return {"output_tok_s": round(summary["output_throughput"], 1),
+            **{key: round(summary[key], 1) for key in ("median_ttft_ms", "mean_ttft_ms", "median_tpot_ms")},
+            "seconds": round(summary["duration"], 2)}
 
 
 def decode_profile(engine: LLMEngine, batch: int, device: str) -> dict:
