@@ -109,13 +109,45 @@ def test_native_kernel_equals_the_pytorch_path(dtype, kv_dtype, head_dim):
         q, k, v = (torch.randn(tokens, h, head_dim).to(dtype) for h in (9, 3, 3))
         outs = []
         for use_kernel, chunk_kernel in paths:
-            meta = AttentionMetadata.build(q_lens, ctx, tables, 16, torch.device("cpu"), use_kernel, chunk_kernel)
+            meta = AttentionMetadata.build(q_lens, ctx, tables, 16, torch.device("cpu"), dtype, use_kernel,
+                                           chunk_kernel)
             assert (meta.kernel is not None) == (use_kernel and 1 in q_lens)
             assert (meta.chunks is not None) == (chunk_kernel and max(q_lens) > 1)
             assert bool(meta.gather) == (not chunk_kernel and (max(q_lens) > 1 or not use_kernel))
             outs.append(paged_attention(q, k, v, copy.deepcopy(kv), meta, head_dim**-0.5).float())
         for out in outs[:-1]:
             assert (out - outs[-1]).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gathered_attention_equals_dense_attention(dtype):
+    """The PyTorch path against each sequence's attention written out: chunks of one length (no
+    query padding) and of several, whole prompts (plainly causal) and chunks after cached tokens, a
+    step of one class alone (its tokens taken in place) and one beside decode tokens; the queries a
+    view into a wider tensor, as the model's split of its QKV projection gives them."""
+    import copy
+
+    from backends.builtin.attention import AttentionMetadata, paged_attention
+
+    kv = filled_cache("auto", dtype)
+    tables = [[3, 7, 9, 11, 20], [1, 2], [30, 31, 32], [40]]
+    for q_lens, ctx in (([5, 5, 5, 5], [70, 20, 40, 5]), ([4, 4, 4], [4, 4, 4]), ([9, 5, 9, 1], [70, 20, 40, 1]),
+                        ([1, 5, 5, 1], [70, 20, 40, 1])):
+        tokens, n = sum(q_lens), len(q_lens)
+        qkv = torch.randn(tokens, (9 + 3 + 3) * 64, dtype=dtype)
+        q, k, v = (x.view(tokens, -1, 64) for x in qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1))
+        cache = copy.deepcopy(kv)
+        meta = AttentionMetadata.build(q_lens, ctx, tables[:n], 16, torch.device("cpu"), dtype, False)
+        out = paged_attention(q, k, v, cache, meta, 0.125)
+        start = 0
+        for q_len, context, table in zip(q_lens, ctx, tables):
+            slots = torch.tensor([table[p // 16] * 16 + p % 16 for p in range(context)])
+            keys, values = (cache.data[i].view(-1, 3, 64)[slots].double().repeat_interleave(3, dim=1) for i in (0, 1))
+            scores = torch.einsum("qhd,khd->hqk", q[start : start + q_len].double(), keys) * 0.125
+            causal = torch.arange(context)[None, :] <= torch.arange(context - q_len, context)[:, None]
+            want = torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), values)
+            assert (out[start : start + q_len].double() - want).abs().max().item() < 1e-5
+            start += q_len
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -131,7 +163,8 @@ def test_native_decode_kernel_serves_every_head_grouping(dtype, heads):
     q, k, v = (torch.randn(3, h, 64).to(dtype) for h in (heads, 2, 2))
     native, reference = (
         paged_attention(q, k, v, copy.deepcopy(kv),
-                        AttentionMetadata.build([1, 1, 1], ctx, tables, 16, torch.device("cpu"), use_kernel, False),
+                        AttentionMetadata.build([1, 1, 1], ctx, tables, 16, torch.device("cpu"), dtype, use_kernel,
+                                                                False),
                         64**-0.5).float()
         for use_kernel in (True, False))
     assert (native - reference).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 1e-5)

@@ -83,9 +83,12 @@ class GatherPart:
 
     tokens: torch.Tensor  # [t] indices into the step's tokens
     block_tables: torch.Tensor  # [b, max_blocks]
-    query_index: torch.Tensor  # [t] position of each token in the flattened [b * max_q] query pad
-    # [b, 1, max_q, max_blocks * block_size], True where attention is allowed; None for whole prompts
-    # of max_q tokens each: plain causal, where SDPA skips the upper half
+    # [t] position of each token in the flattened [b * max_q] query pad; None where every chunk is
+    # max_q long: the tokens are the pad
+    query_index: torch.Tensor | None
+    # [b, 1, max_q, max_blocks * block_size], added to the scores: 0 where attention is allowed, -inf
+    # elsewhere (in the queries' dtype, made once a step: SDPA would turn a bool mask into this in every
+    # layer); None for whole prompts of max_q tokens each: plain causal, where SDPA skips the upper half
     mask: torch.Tensor | None
     max_q: int
 
@@ -118,9 +121,10 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], block_size: int,
-              device: torch.device, use_kernel: bool, chunk_kernel: bool = True) -> AttentionMetadata:
-        """use_kernel: decode tokens to the native kernel; chunk_kernel: prompt chunks too (else they
-        take the PyTorch path)."""
+              device: torch.device, dtype: torch.dtype, use_kernel: bool, chunk_kernel: bool = True
+              ) -> AttentionMetadata:
+        """dtype: the queries'; use_kernel: decode tokens to the native kernel; chunk_kernel: prompt
+        chunks too (else they take the PyTorch path)."""
         starts = torch.cumsum(torch.tensor([0] + q_lens[:-1]), 0).tolist()
         slots: list[int] = []
         for q_len, ctx, table in zip(q_lens, ctx_lens, block_tables):
@@ -149,7 +153,7 @@ class AttentionMetadata:
                 classes.setdefault((q_lens[i] - 1).bit_length(), []).append(i)
             gather = tuple(_gather_part([q_lens[i] for i in group], [ctx_lens[i] for i in group],
                                         [block_tables[i] for i in group], [starts[i] for i in group], block_size,
-                                        device)
+                                        device, dtype)
                            for group in classes.values())
         return cls(slot_mapping, gather, kernel, chunks)
 
@@ -161,36 +165,41 @@ def _pad(tables: list[list[int]]) -> torch.Tensor:
     return out
 
 
-def _gather_part(q_lens, ctx_lens, tables, starts, block_size, device) -> GatherPart:
+def _gather_part(q_lens, ctx_lens, tables, starts, block_size, device, dtype) -> GatherPart:
     batch, max_q = len(q_lens), max(q_lens)
     block_tables = _pad(tables)
     q_lens_t, ctx_t = torch.tensor(q_lens), torch.tensor(ctx_lens)
     seq_of_token = torch.repeat_interleave(torch.arange(batch), q_lens_t)
     offset_in_q = torch.cat([torch.arange(q) for q in q_lens])
     tokens = torch.tensor(starts)[seq_of_token] + offset_in_q
-    query_index = seq_of_token * max_q + (max_q - q_lens_t[seq_of_token]) + offset_in_q
+    query_index = None  # every chunk max_q long: no padding
+    if min(q_lens) < max_q:
+        query_index = (seq_of_token * max_q + (max_q - q_lens_t[seq_of_token]) + offset_in_q).to(device)
     mask = None  # whole prompts of max_q tokens each: plain causal
     if not all(q == max_q == ctx for q, ctx in zip(q_lens, ctx_lens)):
         # Query row r of sequence b sits at absolute position ctx - max_q + r (bottom-right aligned).
         q_pos = ctx_t[:, None] - max_q + torch.arange(max_q)[None, :]
         k_pos = torch.arange(block_tables.shape[1] * block_size)[None, None, :]
-        mask = k_pos <= q_pos[:, :, None]
-        mask |= (q_pos < 0)[:, :, None]  # padded query rows: any key, their output is dropped
-        mask &= k_pos < ctx_t[:, None, None]
-        mask = mask[:, None].to(device)
-    return GatherPart(tokens.to(device), block_tables.to(device), query_index.to(device), mask, max_q)
+        allowed = k_pos <= q_pos[:, :, None]
+        allowed |= (q_pos < 0)[:, :, None]  # padded query rows: any key, their output is dropped
+        allowed &= k_pos < ctx_t[:, None, None]
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))[:, None].to(device)
+    return GatherPart(tokens.to(device), block_tables.to(device), query_index, mask, max_q)
 
 
 def _gather_attention(q: torch.Tensor, kv: LayerKV, part: GatherPart, scale: float) -> torch.Tensor:
     num_heads, head_dim = q.shape[1:]
     batch = part.block_tables.shape[0]
     keys, values = (kv.gathered(i, part.block_tables, q.dtype).transpose(1, 2) for i in (0, 1))  # [b, Hkv, L, D]
-    queries = q.new_zeros(batch * part.max_q, num_heads, head_dim)
-    queries[part.query_index] = q
+    queries = q
+    if part.query_index is not None:
+        queries = q.new_zeros(batch * part.max_q, num_heads, head_dim)
+        queries[part.query_index] = q
     queries = queries.view(batch, part.max_q, num_heads, head_dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=part.mask, is_causal=part.mask is None,
                                          scale=scale, enable_gqa=True)
-    return out.transpose(1, 2).reshape(batch * part.max_q, num_heads, head_dim)[part.query_index]
+    out = out.transpose(1, 2).reshape(batch * part.max_q, num_heads, head_dim)
+    return out if part.query_index is None else out[part.query_index]
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: AttentionMetadata,
@@ -199,6 +208,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
     kv.write(meta.slot_mapping, k, v)
     if meta.kernel is not None and meta.chunks is None and not meta.gather:  # pure decode: no reordering
         return kernels.paged_attention(q, kv, meta.kernel.block_tables, meta.kernel.positions, scale)
+    if meta.kernel is None and meta.chunks is None and len(meta.gather) == 1:  # one class: every token, in order
+        return _gather_attention(q, kv, meta.gather[0], scale)
     out = torch.empty_like(q)
     if meta.kernel is not None:
         part = meta.kernel

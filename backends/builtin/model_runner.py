@@ -157,7 +157,7 @@ class ModelRunner:
                 logits_index.append(len(input_ids) - 1)
                 done.append(seq)
         meta = AttentionMetadata.build(batch.num_new_tokens, ctx_lens, [s.block_table for s in batch.seqs],
-                                       self.block_size, self.device, self.use_kernel, self.chunk_kernel)
+                                       self.block_size, self.device, self.dtype, self.use_kernel, self.chunk_kernel)
         logits = self.model(
             torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
             self.kv_caches, meta, torch.tensor(logits_index, dtype=torch.long, device=self.device),
