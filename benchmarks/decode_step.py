@@ -25,20 +25,26 @@ from backends.builtin.engine import LLMEngine
 from backends.builtin.sequence import SamplingParams
 
 
-def timed(fn, repeat: int) -> float:
+def timed(fn, repeat: int, device: torch.device | None = None) -> float:
+    def finished():  # a CUDA device runs the calls after they return
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     fn()
+    finished()
     start = time.perf_counter()
     for _ in range(repeat):
         fn()
+    finished()
     return (time.perf_counter() - start) / repeat
 
 
 def bound_ms(engine: LLMEngine, batch: int, context: int, repeat: int) -> tuple[float, float]:
     """(bare weight GEMMs, contiguous exact attention) in ms for one decode step."""
     model, cfg = engine.runner.model, engine.loaded.config
-    dtype = engine.runner.dtype
-    x = torch.randn(batch, cfg.hidden_size, dtype=dtype)
-    h = torch.randn(batch, cfg.intermediate_size, dtype=dtype)
+    dtype, device = engine.runner.dtype, engine.runner.device
+    x = torch.randn(batch, cfg.hidden_size, dtype=dtype, device=device)
+    h = torch.randn(batch, cfg.intermediate_size, dtype=dtype, device=device)
 
     @torch.inference_mode()
     def gemms():  # every layer's own weights: one layer's would stay in the CPU's last-level cache
@@ -47,8 +53,8 @@ def bound_ms(engine: LLMEngine, batch: int, context: int, repeat: int) -> tuple[
             attn.qkv_proj(x), attn.o_proj(x), mlp.gate_up_proj(x), mlp.down_proj(h)
         model.lm_head(x)
 
-    q = torch.randn(batch, cfg.num_attention_heads, 1, cfg.head_dim, dtype=dtype)
-    k = torch.randn(batch, cfg.num_key_value_heads, context, cfg.head_dim, dtype=dtype)
+    q = torch.randn(batch, cfg.num_attention_heads, 1, cfg.head_dim, dtype=dtype, device=device)
+    k = torch.randn(batch, cfg.num_key_value_heads, context, cfg.head_dim, dtype=dtype, device=device)
     v = torch.randn_like(k)
 
     @torch.inference_mode()
@@ -56,7 +62,7 @@ def bound_ms(engine: LLMEngine, batch: int, context: int, repeat: int) -> tuple[
         for _ in range(cfg.num_hidden_layers):
             F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
-    return timed(gemms, repeat) * 1000, timed(attention, repeat) * 1000
+    return timed(gemms, repeat, device) * 1000, timed(attention, repeat, device) * 1000
 
 
 def prompt(i: int, context: int, groups: int, shared: int) -> list[int]:
