@@ -123,8 +123,8 @@ def test_native_kernel_equals_the_pytorch_path(dtype, kv_dtype, head_dim):
 def test_gathered_attention_equals_dense_attention(dtype):
     """The PyTorch path against each sequence's attention written out: chunks of one length (no
     query padding) and of several, whole prompts (plainly causal) and chunks after cached tokens, a
-    step of one class alone (its tokens taken in place) and one beside decode tokens; the queries a
-    view into a wider tensor, as the model's split of its QKV projection gives them."""
+    step of one class alone (its tokens taken in place) and steps of several, single tokens in
+    one; the queries a view into a wider tensor, as the model's split of its QKV projection gives them."""
     import copy
 
     from backends.builtin.attention import AttentionMetadata, paged_attention
@@ -163,8 +163,8 @@ def test_native_decode_kernel_serves_every_head_grouping(dtype, heads):
     q, k, v = (torch.randn(3, h, 64).to(dtype) for h in (heads, 2, 2))
     native, reference = (
         paged_attention(q, k, v, copy.deepcopy(kv),
-                        AttentionMetadata.build([1, 1, 1], ctx, tables, 16, torch.device("cpu"), dtype, use_kernel,
-                                                                False),
+                        AttentionMetadata.build([1, 1, 1], ctx, tables, 16, torch.device("cpu"), dtype,
+                                                use_kernel, False),
                         64**-0.5).float()
         for use_kernel in (True, False))
     assert (native - reference).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 1e-5)
