@@ -22,6 +22,15 @@ from backends.launch import free_port  # noqa: F401  (the tests import it from h
 _engines: list[LLMEngine] = []
 
 
+@pytest.fixture(scope="session", autouse=True)
+def native_kernels():
+    """The native kernels built before any test starts a server: on 2 cores the build takes
+    minutes, which a server's start inside a readiness wait would not survive."""
+    from backends.builtin import kernels
+
+    kernels._load()
+
+
 @pytest.fixture(scope="session")
 def default_model():
     return load_model()

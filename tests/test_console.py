@@ -105,6 +105,7 @@ def test_the_console_from_login_to_rollback_and_its_pages_at_two_widths(chromium
     assert key.startswith("sg_") and len(key) > 40
     assert httpx.get(f"{console}/v1/models", headers=bearer(key)).status_code == 200
     page.get_by_role("link", name="Usage").click()
+    page.wait_for_function("() => document.title.startsWith('Usage')")  # the keys page, with the key, is gone
     page.get_by_role("link", name="Keys").click()
     page.get_by_role("form", name="Create a key").wait_for()
     assert page.locator("#new-key").count() == 0 and key not in page.content()  # never shown again

@@ -177,7 +177,6 @@ const pages = {
                     ["TTFT p95 (ms)", p => p.ttft_p95_ms], ["Cost (USD)", p => Number(p.cost_usd)]];
     const total = series.series.reduce((n, s) => n + s.points.reduce((m, p) => m + p.requests, 0), 0);
     const grid = h("div", { class: "charts" }, panels.map(([title, value]) => chart(title, series, value, bucket)));
-    schedule(() => render("usage"), 5000);
     return [h("h2", {}, "Usage"), controls,
       h("p", {}, `${total} requests in the last ${range}, per ${bucket}, by ${by}.`), grid];
   },
@@ -224,13 +223,11 @@ const pages = {
           ["Reason", c => c.after?.reason ?? ""]], history.changes.slice().reverse()),
         shadow.length ? table("Shadow comparison", Object.keys(shadow[0]).map(k => [k, row => row[k]]), shadow) : null));
     }
-    schedule(() => render("routes"), 5000);
     return [h("h2", {}, "Routes"), states.length ? sections : h("p", {}, "No routes deployed.")];
   },
 
   async backends() {
     const backends = await api("GET", "/admin/backends");
-    schedule(() => render("backends"), 5000);
     return [h("h2", {}, "Backends"), table("As this replica sees them", [
       ["Backend", b => b.name], ["Model", b => b.model], ["Runtime", b => [b.runtime, b.dtype].filter(Boolean).join(" ")],
       ["Health", b => h("span", { class: `health-${b.health}` }, b.health)],
@@ -302,27 +299,40 @@ async function act(change, message) {
 }
 
 const OPERATOR_PAGES = new Set(["tenants", "routes", "backends", "audit"]);
+const LIVE_PAGES = new Set(["usage", "routes", "backends"]);  // redrawn every 5 s while shown
+
+const hashPage = () => location.hash.replace(/^#\//, "").split("?")[0];
 
 function current() {
-  const page = location.hash.replace(/^#\//, "").split("?")[0];
+  const page = hashPage();
   if (!page || (!operator && OPERATOR_PAGES.has(page))) return operator ? "tenants" : "keys";
   return page;
 }
+
+// Renders overlap (a click while a page loads, a refresh after a change): only the latest one
+// may draw, or a page fetched before a change would overwrite the page fetched after it.
+let latestRender = 0;
 
 async function render(page, extra) {
   clearTimeout(refreshTimer);
   const build = pages[page];
   if (!build) return render(operator ? "tenants" : "keys");
+  const ticket = ++latestRender;
+  // The address names the page shown, so its own link does not load it a second time.
+  if (hashPage() !== page) history.replaceState(null, "", `#/${page}`);
   for (const link of document.querySelectorAll("nav a")) {
     link.toggleAttribute("aria-current", link.getAttribute("href") === `#/${page}`);
     if (link.hasAttribute("aria-current")) link.setAttribute("aria-current", "page");
   }
   try {
     const nodes = await build(extra);
+    if (ticket !== latestRender) return;
     charts.splice(0).forEach(plot => plot.destroy());
     main.replaceChildren(...nodes.flat().filter(Boolean));
     document.title = `${page[0].toUpperCase()}${page.slice(1)} · servegate console`;
+    if (LIVE_PAGES.has(page)) schedule(() => render(page), 5000);
   } catch (error) {
+    if (ticket !== latestRender) return;
     if (error.status === 401) return logout("The key was refused; log in again.");
     say(error.message, true);
   }
