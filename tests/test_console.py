@@ -80,6 +80,7 @@ def test_the_console_from_login_to_rollback_and_its_pages_at_two_widths(chromium
     page.keyboard.press("Enter")
     page.get_by_role("navigation").wait_for()
     assert page.get_by_role("status").inner_text() == "Logged in as an operator."
+    assert page.url.endswith("/ui/#/tenants")  # the address names the page drawn, so its link is a no-op
 
     # A tenant, then a key for it: the key appears once.
     page.get_by_role("link", name="Tenants").click()
@@ -168,6 +169,7 @@ def test_the_console_from_login_to_rollback_and_its_pages_at_two_widths(chromium
     page.get_by_role("status").get_by_text("Logged in as a tenant administrator.").wait_for()
     visible = page.get_by_role("navigation").get_by_role("link").all_inner_texts()
     assert visible == ["Keys", "Usage"]
+    assert page.url.endswith("/ui/#/keys")  # not the audit page the operator left, which it may not see
     page.get_by_role("cell", name="console test").wait_for()  # acme's key, and no other tenant's
     assert page.get_by_role("cell", name="default", exact=True).count() == 0
     assert errors == []
