@@ -220,6 +220,23 @@ def test_compare_runs_the_same_workload_against_the_peers(tmp_path):
     assert "builtin / llama-cpp" in result.output
 
 
+def test_compare_hands_each_system_its_own_server_flags(tmp_path):
+    out = tmp_path / "flags.json"
+    workload = ["bench", "--dataset", "random", "--num-prompts", "2", "--random-input-len", "16",
+                "--random-output-len", "4", "--num-warmups", "0"]
+    # The context cap of 8 tokens reaches the server: its 16-token prompts are refused, not served.
+    result = CliRunner().invoke(app, [*workload, "--compare", "builtin", "--system-args", "builtin=--max-model-len 8",
+                                      "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["system_args"] == {"builtin": ["--max-model-len", "8"]}
+    assert data["compare"]["builtin"]["failed"] == 2 and data["compare"]["builtin"]["completed"] == 0
+    for spec, problem in [("vllm=--block-size 32", "vllm not in --compare"), ("builtin", "is not NAME=FLAGS"),
+                          ("hf-static=--x", "takes no server flags")]:
+        result = CliRunner().invoke(app, [*workload, "--compare", "builtin,hf-static", "--system-args", spec])
+        assert result.exit_code == 2 and problem in " ".join(result.output.replace("│", " ").split()), result.output
+
+
 def test_bench_drives_a_backend_in_process(tiny_model_dir, tmp_path):
     out = tmp_path / "inproc.json"
     result = CliRunner().invoke(app, [

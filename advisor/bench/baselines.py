@@ -14,7 +14,7 @@ import contextlib
 import os
 import sys
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -178,9 +178,23 @@ SYSTEMS = ("builtin", "builtin-bf16", "builtin-fp32", "builtin-int8", "hf-static
            "vllm", "vllm-fp32")
 
 
+def system_flags(spec: str) -> tuple[str, list[str]]:
+    """`NAME=FLAGS` (`vllm=--block-size 32`) as (system, its extra server flags), shell-split."""
+    import shlex
+
+    name, sep, flags = spec.partition("=")
+    if not sep or name not in SYSTEMS:
+        raise ValueError(f"{spec!r} is not NAME=FLAGS with NAME one of {', '.join(SYSTEMS)}")
+    if name == "hf-static":
+        raise ValueError("hf-static runs in process: it takes no server flags")
+    return name, shlex.split(flags)
+
+
 @contextlib.contextmanager
-def system_target(name: str, model: str | None = None):
-    """A started peer, as a bench target, all on the same model file (default: the default GGUF)."""
+def system_target(name: str, model: str | None = None, flags: Sequence[str] = ()):
+    """A started peer, as a bench target, all on the same model file (default: the default GGUF);
+    `flags` go on its server's command line, after those set here, so they win (e.g. vLLM's
+    `--block-size 32`)."""
     from backends.builtin.loader import default_model_path, gguf_to_hf_dir
 
     from .targets import BackendTarget, OpenAITarget
@@ -191,18 +205,18 @@ def system_target(name: str, model: str | None = None):
     if name in ("builtin", "builtin-bf16", "builtin-fp32", "builtin-int8"):
         extra = {"builtin-int8": ["--weight-quant", "int8"], "builtin-bf16": ["--dtype", "bfloat16"],
                  "builtin-fp32": ["--dtype", "float32"]}.get(name, [])
-        with servegate_env() as (env, key), server_process(servegate_command(port, model or "") + extra, url, "/ready",
-                                                             env=env):
+        command = servegate_command(port, model or "") + extra + list(flags)
+        with servegate_env() as (env, key), server_process(command, url, "/ready", env=env):
             yield OpenAITarget(url, api_key=key)
     elif name in ("llama-cpp", "llama-cpp-default"):
-        command = llama_cpp_command(gguf, port, interrupt_requests=name == "llama-cpp-default")
+        command = llama_cpp_command(gguf, port, interrupt_requests=name == "llama-cpp-default") + list(flags)
         with server_process(command, url, "/v1/models"):
             yield OpenAITarget(url)
     elif name in ("vllm", "vllm-fp32"):
         from backends import peers
 
         command = peers.vllm_command(gguf_to_hf_dir(gguf) if gguf.suffix == ".gguf" else gguf, port, "vllm",
-                                     dtype="float32" if name == "vllm-fp32" else "bfloat16")
+                                     extra=flags, dtype="float32" if name == "vllm-fp32" else "bfloat16")
         with server_process(command, url, "/health", timeout=900, env=peers.vllm_env()):
             yield OpenAITarget(url)
     elif name == "hf-static":

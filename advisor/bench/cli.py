@@ -16,7 +16,7 @@ from rich.table import Table
 from typer.core import TyperCommand
 
 from .arrivals import arrival_times
-from .baselines import SYSTEMS, system_target
+from .baselines import SYSTEMS, system_flags, system_target
 from .datasets import (
     DATASETS,
     Conversation,
@@ -197,6 +197,9 @@ def bench(
     compare: Annotated[str | None, typer.Option(help="Systems to run the same workload against in turn, e.g. "
                                                       "builtin,hf-static,llama-cpp (they are started and stopped "
                                                       "here).")] = None,
+    system_args: Annotated[list[str] | None, typer.Option(
+        help="Extra server flags for a system of --compare, as NAME=FLAGS (e.g. 'vllm=--block-size 32'); "
+             "repeatable.")] = None,
     output: Annotated[Path | None, typer.Option(help="Write the results as JSON here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="With --sweep: plot goodput and p99 latency against rate "
                                                    "(PNG or SVG).")] = None,
@@ -217,6 +220,12 @@ def bench(
         if name is not None and name not in SYSTEMS:
             raise typer.BadParameter(f"unknown system {name!r} (choose from {', '.join(SYSTEMS)})",
                                      param_hint="--compare")
+    try:
+        flags = dict(system_flags(spec) for spec in system_args or [])
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--system-args") from None
+    if stray := set(flags) - set(names):
+        raise typer.BadParameter(f"{', '.join(sorted(stray))} not in --compare", param_hint="--system-args")
 
     async def measure_all(the_target) -> list[dict]:
         conversations = build_dataset(dataset, tok, num_prompts, seed, opts)  # replies reset on every run
@@ -233,11 +242,13 @@ def bench(
 
     results: dict[str, list[dict]] = {}
     for name in names:
-        with system_target(name, model) if name else contextlib.nullcontext(
+        with system_target(name, model, flags.get(name, ())) if name else contextlib.nullcontext(
                 make_target(target, protocol, backend, model, api_key)) as the_target:
             console.print(f"measuring {name or the_target.name}")
             results[name or the_target.name] = asyncio.run(measure_all(the_target))
     result = {"dataset": dataset, "num_prompts": num_prompts, "seed": seed, "goodput_slo_ms": slo}
+    if flags:
+        result["system_args"] = flags
     for name, runs in results.items():
         if len(rates) > 1:
             runs_knee = knee(runs, slo_attainment)
