@@ -22,15 +22,6 @@ from backends.launch import free_port  # noqa: F401  (the tests import it from h
 _engines: list[LLMEngine] = []
 
 
-@pytest.fixture(scope="session", autouse=True)
-def native_kernels():
-    """The native kernels built before any test starts a server: on 2 cores the build takes
-    minutes, which a server's start inside a readiness wait would not survive."""
-    from backends.builtin import kernels
-
-    kernels._load()
-
-
 @pytest.fixture(scope="session")
 def default_model():
     return load_model()
@@ -221,7 +212,12 @@ def serve_app(app):
 
 def wait_ready(base_url: str, timeout: float = 120, path: str = "/ready", process=None) -> None:
     """Until `base_url + path` answers 200 (a server still starting may refuse connections);
-    fails if it takes longer than `timeout` or if `process` (a Popen) exits meanwhile."""
+    fails if it takes longer than `timeout` or if `process` (a Popen) exits meanwhile. The
+    timeout starts once the native kernels are built: a server starting on a checkout without
+    them builds them first (minutes on 2 cores), and this build waits on that one's lock."""
+    from backends.builtin import kernels
+
+    kernels._load()
     deadline = time.monotonic() + timeout
     while True:
         with contextlib.suppress(httpx.TransportError):
