@@ -38,6 +38,11 @@ class LaunchError(ValueError):
     """The spec asks for something this runtime cannot do (the message says what instead)."""
 
 
+class ServerNotReady(RuntimeError):
+    """A supervised server exited, or did not answer in time, before it was ready (the message
+    quotes its last output)."""
+
+
 @dataclass
 class LaunchSpec:
     runtime: Runtime
@@ -192,7 +197,7 @@ def supervised(argv: list[str], url: str, ready_path: str, env: dict[str, str] |
                     log.seek(0)
                     state = f"exited with code {process.returncode}" if process.returncode is not None else \
                         f"was not ready within {timeout_s:g} s"
-                    raise RuntimeError(f"{argv[0]} {state}; its last output:\n{log.read()[-3000:]}")
+                    raise ServerNotReady(f"{argv[0]} {state}; its last output:\n{log.read()[-3000:]}")
                 time.sleep(0.25)
             yield process
         finally:

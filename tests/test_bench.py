@@ -232,9 +232,14 @@ def test_compare_hands_each_system_its_own_server_flags(tmp_path):
     assert data["system_args"] == {"builtin": ["--max-model-len", "8"]}
     assert data["compare"]["builtin"]["failed"] == 2 and data["compare"]["builtin"]["completed"] == 0
     for spec, problem in [("vllm=--block-size 32", "vllm not in --compare"), ("builtin", "is not NAME=FLAGS"),
-                          ("hf-static=--x", "takes no server flags")]:
+                          ("hf-static=--x", "takes no server flags"),
+                          ('builtin=--served-name "a', """'builtin=--served-name "a': No closing quotation""")]:
         result = CliRunner().invoke(app, [*workload, "--compare", "builtin,hf-static", "--system-args", spec])
         assert result.exit_code == 2 and problem in " ".join(result.output.replace("│", " ").split()), result.output
+    # A flag the server refuses stops the run with the server's own words, not a traceback.
+    result = CliRunner().invoke(app, [*workload, "--compare", "builtin", "--system-args", "builtin=--no-such-flag"])
+    assert result.exit_code == 1 and result.exception.__class__ is SystemExit, result.output
+    assert "builtin did not start" in result.output and "No such option: --no-such-flag" in result.output
 
 
 def test_bench_drives_a_backend_in_process(tiny_model_dir, tmp_path):

@@ -187,7 +187,10 @@ def system_flags(spec: str) -> tuple[str, list[str]]:
         raise ValueError(f"{spec!r} is not NAME=FLAGS with NAME one of {', '.join(SYSTEMS)}")
     if name == "hf-static":
         raise ValueError("hf-static runs in process: it takes no server flags")
-    return name, shlex.split(flags)
+    try:
+        return name, shlex.split(flags)
+    except ValueError as exc:  # an unclosed quote
+        raise ValueError(f"{spec!r}: {exc}") from None
 
 
 @contextlib.contextmanager

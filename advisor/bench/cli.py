@@ -15,6 +15,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from typer.core import TyperCommand
 
+from backends.launch import ServerNotReady
+
 from .arrivals import arrival_times
 from .baselines import SYSTEMS, system_flags, system_target
 from .datasets import (
@@ -242,10 +244,14 @@ def bench(
 
     results: dict[str, list[dict]] = {}
     for name in names:
-        with system_target(name, model, flags.get(name, ())) if name else contextlib.nullcontext(
-                make_target(target, protocol, backend, model, api_key)) as the_target:
-            console.print(f"measuring {name or the_target.name}")
-            results[name or the_target.name] = asyncio.run(measure_all(the_target))
+        try:
+            with system_target(name, model, flags.get(name, ())) if name else contextlib.nullcontext(
+                    make_target(target, protocol, backend, model, api_key)) as the_target:
+                console.print(f"measuring {name or the_target.name}")
+                results[name or the_target.name] = asyncio.run(measure_all(the_target))
+        except ServerNotReady as exc:
+            console.print(f"error: {name} did not start: {exc}", style="red", markup=False, highlight=False)
+            raise typer.Exit(1) from None
     result = {"dataset": dataset, "num_prompts": num_prompts, "seed": seed, "goodput_slo_ms": slo}
     if flags:
         result["system_args"] = flags
