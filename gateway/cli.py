@@ -342,7 +342,7 @@ def launch(
 ) -> None:
     """Start a runtime as a supervised subprocess from one normalized spec, wait until it is
     ready, and stop it cleanly on Ctrl-C. Arguments after `--` go to the runtime untouched."""
-    from backends.launch import RUNTIMES, LaunchError, LaunchSpec, launched, shell_line
+    from backends.launch import RUNTIMES, LaunchError, LaunchSpec, ServerNotReady, launched, shell_line
 
     if runtime not in RUNTIMES:
         _fail(f"unknown runtime {runtime!r}: one of {', '.join(RUNTIMES)}")
@@ -364,7 +364,7 @@ def launch(
                 time.sleep(3600)
     except KeyboardInterrupt:
         pass
-    except (RuntimeError, TimeoutError) as exc:
+    except ServerNotReady as exc:
         _fail(str(exc))
 
 

@@ -82,3 +82,11 @@ def test_launched_llama_cpp_python_is_served_through_the_gateway(tmp_path):
         supervisor.wait(timeout=60)
     with pytest.raises(httpx.TransportError):  # stopping the supervisor stopped the runtime
         httpx.get(f"{upstream}/v1/models", timeout=2)
+
+
+def test_a_runtime_that_does_not_start_is_an_error_that_quotes_it(tmp_path):
+    missing = tmp_path / "missing.gguf"
+    done = subprocess.run([sys.executable, "-m", "gateway", "launch", "llama-cpp-python", "--model", str(missing),
+                           "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("error: "), done.stderr
+    assert "exited with code 1" in done.stderr and f"Model path does not exist: {missing}" in done.stderr
