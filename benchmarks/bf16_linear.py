@@ -33,7 +33,7 @@ def best_ms(modules, x: torch.Tensor) -> float:
 
 @torch.inference_mode()
 def main() -> None:
-    ops = kernels._load()
+    ops = kernels.load()
     if ops is None or not ops.bf16_linear_native():
         sys.exit("the native bf16 GEMM needs AVX512-BF16, which this CPU lacks")
     rows = [int(a) for a in sys.argv[1:]] or [1, 4, 8, 16, 24, 64, 544, 2016]

@@ -52,7 +52,7 @@ def main() -> None:
     tokens = args.prompts * args.length
     engine = LLMEngine(EngineConfig(dtype=args.dtype, max_num_batched_tokens=tokens))
     if args.chunks != "auto":
-        if args.chunks == "kernel" and not (engine.runner.use_kernel and kernels._load().chunk_attention_native()):
+        if args.chunks == "kernel" and not (engine.runner.use_kernel and kernels.load().chunk_attention_native()):
             parser.error("the chunk kernel is not built on this CPU (it needs AVX-512)")
         engine.runner.chunk_kernel = args.chunks == "kernel"
     prefix = [(j * 13) % 40000 + 50 for j in range(args.cached)]

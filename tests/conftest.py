@@ -217,7 +217,7 @@ def wait_ready(base_url: str, timeout: float = 120, path: str = "/ready", proces
     them builds them first (minutes on 2 cores), and this build waits on that one's lock."""
     from backends.builtin import kernels
 
-    kernels._load()
+    kernels.load()
     deadline = time.monotonic() + timeout
     while True:
         with contextlib.suppress(httpx.TransportError):

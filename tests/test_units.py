@@ -101,7 +101,7 @@ def test_native_kernel_equals_the_pytorch_path(dtype, kv_dtype, head_dim):
     ctx = [70, 20, 40, 1]
     # both kernels (the chunk kernel where AVX-512 builds it); the decode kernel with chunks on the
     # PyTorch path (AVX2, bf16 on AMX); the PyTorch path alone
-    paths = (((True, True),) if kernels._load().chunk_attention_native() else ()) + ((True, False), (False, False))
+    paths = (((True, True),) if kernels.load().chunk_attention_native() else ()) + ((True, False), (False, False))
     # decode only, mixed, short chunks only; chunks over several 16-token tiles: after cached
     # tokens (40 of 70, 39 of 40), a whole prompt (20 of 20)
     for q_lens in ([1, 1, 1, 1], [1, 5, 1, 1], [3, 5, 2, 1], [40, 20, 39, 1]):
@@ -213,7 +213,7 @@ def test_native_bf16_linear_rounds_float32_sums_once():
     from backends.builtin import kernels
     from backends.builtin.model_runner import PackedLinear, PairedLinear
 
-    ops = kernels._load()
+    ops = kernels.load()
     assert ops is not None, kernels._failed
     if not ops.bf16_linear_native():
         pytest.skip("this CPU has no AVX512-BF16: bf16 Linears stay on oneDNN here")

@@ -31,7 +31,9 @@ _module = None
 _failed: str | None = None
 
 
-def _load():
+def load():
+    """The native kernels' module, built on first use (once per CPU and source; minutes on 2
+    cores), or None where they cannot be built (the PyTorch path runs instead)."""
     global _module, _failed
     if _module is not None:  # built already: the per-call path takes no lock
         return _module
@@ -40,7 +42,7 @@ def _load():
             started, done = time.monotonic(), threading.Event()
             threading.Thread(target=_report_progress, args=(started, done), daemon=True).start()
             try:
-                from torch.utils.cpp_extension import load
+                from torch.utils.cpp_extension import load as build
 
                 # the name carries the CPU's flags and every source's text (torch rebuilds on a changed
                 # source, but not on a changed header), and where they lie (it rebuilds when they move:
@@ -49,9 +51,9 @@ def _load():
                 built = " ".join([str(CSRC), *sorted(cpu_flags())]) + sources
                 machine = hashlib.sha256(built.encode()).hexdigest()[:12]
                 # -fopenmp: at::parallel_for is inline and runs serially in code built without it.
-                _module = load(f"servegate_cpu_kernels_{machine}", SOURCES,
-                               extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                               verbose=False)
+                _module = build(f"servegate_cpu_kernels_{machine}", SOURCES,
+                                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                                verbose=False)
             except Exception as exc:  # no compiler, no ninja, a failed build...
                 _failed = f"{type(exc).__name__}: {exc}"
                 log.warning("native CPU kernels unavailable, using the PyTorch path: %s", _failed)
@@ -71,7 +73,7 @@ def _report_progress(started: float, done: threading.Event) -> None:
 def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the kernel serves this device, cache dtype and head size."""
     served = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8)
-    return served and head_dim in (64, 128) and _load() is not None
+    return served and head_dim in (64, 128) and load() is not None
 
 
 def _attend(kernel, q: torch.Tensor, kv, *indices) -> torch.Tensor:
@@ -84,7 +86,7 @@ def _attend(kernel, q: torch.Tensor, kv, *indices) -> torch.Tensor:
 def paged_attention(q: torch.Tensor, kv, block_tables: torch.Tensor, positions: torch.Tensor,
                     scale: float) -> torch.Tensor:
     """q: [t, H, D]; kv: a `LayerKV`; one block table and position per token."""
-    return _attend(_load().paged_attention, q, kv, block_tables, positions, scale)
+    return _attend(load().paged_attention, q, kv, block_tables, positions, scale)
 
 
 def chunk_kernel_serves(dtype: torch.dtype) -> bool:
@@ -94,7 +96,7 @@ def chunk_kernel_serves(dtype: torch.dtype) -> bool:
     GEMMs run on AMX tiles, faster there than the kernel's float32 FMAs and a first form of its
     VDPBF16PS pairs (which serve bf16 wherever AVX512-BF16 runs without AMX: 2.2-2.5x the FMAs
     on AMD EPYC Zen 4)."""
-    module = _load()
+    module = load()
     amx_bf16 = dtype == torch.bfloat16 and bf16_native() == "AMX-BF16"
     return module is not None and module.chunk_attention_native() and not amx_bf16
 
@@ -103,12 +105,12 @@ def chunk_attention(q: torch.Tensor, kv, block_tables: torch.Tensor, query_start
                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [t, H, D], the chunks' tokens one chunk after another; one block table, start and
     context length per chunk (`query_starts` has one more: the end)."""
-    return _attend(_load().chunk_attention, q, kv, block_tables, query_starts, context_lens, scale)
+    return _attend(load().chunk_attention, q, kv, block_tables, query_starts, context_lens, scale)
 
 
 def layer_ops(device: torch.device, dtype: torch.dtype):
     """The fused element-wise ops where they serve (float32 and bf16 on the CPU), else None."""
-    return _load() if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) else None
+    return load() if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) else None
 
 
 def bf16_linear(device: torch.device, dtype: torch.dtype):
@@ -116,5 +118,5 @@ def bf16_linear(device: torch.device, dtype: torch.dtype):
     (where AMX runs, oneDNN's tiles are faster), else None."""
     if device.type != "cpu" or dtype != torch.bfloat16 or bf16_native() != "AVX512-BF16":
         return None
-    module = _load()
+    module = load()
     return module if module is not None and module.bf16_linear_native() else None
