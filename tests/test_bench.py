@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ from advisor.bench.baselines import HFStaticBackend
 from advisor.bench.datasets import Conversation, Turn, shared_prefix_dataset, trace_dataset
 from advisor.bench.metrics import RequestResult, knee, kv_summary, parse_goodput, summarize
 from advisor.bench.plot import plot_sweep
+from advisor.bench.runner import sample_memory, tree_pss_mib
 from backends.base import GenerateRequest
 from backends.builtin import BuiltinBackend, EngineConfig
 from gateway.cli import app
@@ -206,6 +210,34 @@ async def test_hf_static_batches_and_streams(tiny_model_dir):
         assert finish.finish_reasons == ("length",)
 
 
+def test_a_servers_memory_counts_its_descendants():
+    """A server's memory is its process tree's: here a parent that holds little and a child that
+    holds 256 MiB, as vLLM's API process and its engine core."""
+    child = "import sys, time; block = bytearray(256 * 2**20); print(flush=True); time.sleep(60)"
+    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', "
+                               f"{child!r}])"], stdout=subprocess.PIPE)
+    try:
+        assert parent.stdout.readline() == b"\n"  # the child holds its block
+        assert tree_pss_mib(parent.pid) > 256
+
+        async def sampled():
+            async with sample_memory(parent.pid) as peak:
+                await asyncio.sleep(0.1)
+            return peak
+
+        assert asyncio.run(sampled())["peak_memory_mib"] > 256
+    finally:
+        import psutil
+
+        for process in [*psutil.Process(parent.pid).children(), parent]:
+            process.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while tree_pss_mib(parent.pid) is not None:  # a reaped process has no memory to report
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
 def test_compare_runs_the_same_workload_against_the_peers(tmp_path):
     out = tmp_path / "compare.json"
     result = CliRunner().invoke(app, [
@@ -218,6 +250,8 @@ def test_compare_runs_the_same_workload_against_the_peers(tmp_path):
     assert all(d["completed"] == 3 and d["failed"] == 0 for d in data.values())
     assert data["builtin"]["total_output_tokens"] == 12  # ignore_eos honoured; llama-cpp may stop earlier
     assert "builtin / llama-cpp" in result.output
+    # Each server's memory was sampled while it ran: more than the 94 MiB of the GGUF both load.
+    assert all(d["peak_memory_mib"] > 100 for d in data.values()), {n: d["peak_memory_mib"] for n, d in data.items()}
 
 
 def test_compare_hands_each_system_its_own_server_flags(tmp_path):
@@ -251,6 +285,7 @@ def test_bench_drives_a_backend_in_process(tiny_model_dir, tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["completed"] == 4 and data["total_output_tokens"] == 12
+    assert "peak_memory_mib" not in data  # no server of its own: the engine shares the bench's process
     # The second turn of each conversation carries the first turn and its reply: longer prompts, cache hits.
     assert data["total_cached_tokens"] > 0 and data["kv_blocks_total"] > 0
 

@@ -209,19 +209,19 @@ def system_target(name: str, model: str | None = None, flags: Sequence[str] = ()
         extra = {"builtin-int8": ["--weight-quant", "int8"], "builtin-bf16": ["--dtype", "bfloat16"],
                  "builtin-fp32": ["--dtype", "float32"]}.get(name, [])
         command = servegate_command(port, model or "") + extra + list(flags)
-        with servegate_env() as (env, key), server_process(command, url, "/ready", env=env):
-            yield OpenAITarget(url, api_key=key)
+        with servegate_env() as (env, key), supervised(command, url, "/ready", env, 300) as server:
+            yield OpenAITarget(url, api_key=key, server_pid=server.pid)
     elif name in ("llama-cpp", "llama-cpp-default"):
         command = llama_cpp_command(gguf, port, interrupt_requests=name == "llama-cpp-default") + list(flags)
-        with server_process(command, url, "/v1/models"):
-            yield OpenAITarget(url)
+        with supervised(command, url, "/v1/models", None, 300) as server:
+            yield OpenAITarget(url, server_pid=server.pid)
     elif name in ("vllm", "vllm-fp32"):
         from backends import peers
 
         command = peers.vllm_command(gguf_to_hf_dir(gguf) if gguf.suffix == ".gguf" else gguf, port, "vllm",
                                      extra=flags, dtype="float32" if name == "vllm-fp32" else "bfloat16")
-        with server_process(command, url, "/health", timeout=900, env=peers.vllm_env()):
-            yield OpenAITarget(url)
+        with supervised(command, url, "/health", peers.vllm_env(), 900) as server:
+            yield OpenAITarget(url, server_pid=server.pid)
     elif name == "hf-static":
         yield BackendTarget(HFStaticBackend(gguf_to_hf_dir(gguf) if gguf.suffix == ".gguf" else gguf))
     else:

@@ -29,14 +29,14 @@ from .datasets import (
 )
 from .metrics import knee, kv_summary, parse_goodput, summarize
 from .plot import plot_sweep
-from .runner import measure, run_workload, sample_engine
+from .runner import measure, run_workload, sample_engine, sample_memory
 
 console = Console(stderr=True)
 SHOWN = (  # the summary keys printed after a run (the JSON holds them all)
     "completed", "failed", "duration", "request_throughput", "request_goodput", "output_throughput",
     "total_token_throughput", "total_cached_tokens", "kv_peak_blocks_used", "kv_live_token_fraction",
     "preemptions", "mean_queue_delay_ms", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
-    "median_itl_ms", "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms",
+    "median_itl_ms", "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms", "peak_memory_mib",
 )
 
 
@@ -109,10 +109,10 @@ async def run_once(target, conversations: list[Conversation], rate: float, burst
     columns = (TextColumn(f"rate {rate:g}/s"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("bench", total=total)
-        async with sample_engine(target) as samples:
+        async with sample_engine(target) as samples, sample_memory(target.server_pid) as memory:
             results, duration = await run_workload(target, conversations, arrivals, max_concurrency,
                                                    on_result=lambda _: progress.advance(task))
-    summary = summarize(results, duration, slo or None) | kv_summary(samples)
+    summary = summarize(results, duration, slo or None) | kv_summary(samples) | memory
     summary.update(request_rate=rate, burstiness=burstiness, max_concurrency=max_concurrency,
                    ttfts=[r.ttft for r in results], itls=[r.itl for r in results],
                    input_lens=[r.prompt_tokens for r in results], output_lens=[r.output_tokens for r in results],
@@ -131,7 +131,7 @@ def print_summary(summary: dict) -> None:
 
 
 COMPARED = ("output_throughput", "request_goodput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
-            "median_itl_ms", "median_e2el_ms", "completed", "failed")
+            "median_itl_ms", "median_e2el_ms", "peak_memory_mib", "completed", "failed")
 
 
 def print_comparison(results: dict[str, dict], names: list[str]) -> None:

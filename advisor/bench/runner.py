@@ -79,6 +79,59 @@ async def sample_engine(target):
             await sample()
 
 
+MEMORY_INTERVAL = 2.0  # seconds between samples of a server's memory (a sample costs it about 10 ms)
+
+
+def tree_pss_mib(pid: int) -> float | None:
+    """What a server holds in memory, in MiB: the proportional set size (PSS) of its process and
+    every descendant (vLLM's engine core, servegate's engine process), in which a page the
+    processes share, such as torch's libraries, counts once in all; RSS where there is no PSS.
+    None once the process is gone."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return None
+    total = 0
+    for process in processes:
+        with contextlib.suppress(psutil.Error):  # a child that ended meanwhile
+            info = process.memory_full_info()
+            total += getattr(info, "pss", info.rss)
+    return total / 2**20
+
+
+@contextlib.asynccontextmanager
+async def sample_memory(pid: int | None):
+    """The peak of `tree_pss_mib(pid)` while the block runs, as {"peak_memory_mib": value} once it
+    ends; empty where the bench did not start the server (pid None). Sampled in a thread, so the
+    event loop that times the tokens never waits on it."""
+    peak: dict[str, float] = {}
+
+    async def sample() -> None:
+        value = await asyncio.to_thread(tree_pss_mib, pid)
+        if value is not None:
+            peak["peak_memory_mib"] = max(value, peak.get("peak_memory_mib", 0.0))
+
+    async def poll() -> None:
+        while True:
+            await sample()
+            await asyncio.sleep(MEMORY_INTERVAL)
+
+    if pid is None:
+        yield peak
+        return
+    task = asyncio.create_task(poll())
+    try:
+        yield peak
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await sample()
+
+
 async def run_workload(target, conversations: list[Conversation], arrivals: list[float] | None = None,
                        max_concurrency: int | None = None,
                        on_result: Callable[[RequestResult], None] | None = None) -> tuple[list[RequestResult], float]:

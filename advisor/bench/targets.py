@@ -72,10 +72,12 @@ async def _checked(response: httpx.Response) -> None:
 
 
 class OpenAITarget:
-    """`POST /v1/completions` with streaming and `stream_options.include_usage`."""
+    """`POST /v1/completions` with streaming and `stream_options.include_usage`. `server_pid`: the
+    server's process where the bench started it, whose memory is then sampled during a run."""
 
-    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None) -> None:
-        self.name, self.model = base_url, model
+    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
+                 server_pid: int | None = None) -> None:
+        self.name, self.model, self.server_pid = base_url, model, server_pid
         self.client = _client(base_url)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -107,6 +109,7 @@ class OpenAITarget:
 class TGITarget:
     """TGI's native `POST /generate_stream` (events `data:{json}`, no [DONE], details at the end)."""
 
+    server_pid = None  # a server this bench did not start
     def __init__(self, base_url: str, api_key: str | None = None) -> None:
         self.name = base_url
         self.client = _client(base_url)
@@ -137,6 +140,7 @@ class TGITarget:
 class BackendTarget:
     """A `Backend` driven in process: no HTTP, the engine's own cost only."""
 
+    server_pid = None  # no server: the engine shares this process
     def __init__(self, backend: Backend) -> None:
         self.name, self.backend = backend.name, backend
 
