@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from .datasets import Conversation
 from .metrics import RequestResult
@@ -47,6 +47,30 @@ async def measure(target, prompt: str, max_tokens: int, run_start: float) -> tup
 
 
 SAMPLE_INTERVAL = 0.25  # seconds between samples of the target's engine figures
+MEMORY_INTERVAL = 2.0  # seconds between samples of a server's memory (a sample costs it about 10 ms)
+
+
+@contextlib.asynccontextmanager
+async def polled(sample: Callable[[], Awaitable[bool]], interval: float):
+    """Awaits `sample()` every `interval` seconds while the block runs, until it returns False
+    (nothing to sample), and once more at the end where it ever returned True."""
+    sampled = False
+
+    async def poll() -> None:
+        nonlocal sampled
+        while await sample():
+            sampled = True
+            await asyncio.sleep(interval)
+
+    task = asyncio.create_task(poll())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        if sampled:
+            await sample()
 
 
 @contextlib.asynccontextmanager
@@ -64,22 +88,8 @@ async def sample_engine(target):
             samples.append(figures)
         return bool(figures)
 
-    async def poll() -> None:
-        while await sample():
-            await asyncio.sleep(SAMPLE_INTERVAL)
-
-    task = asyncio.create_task(poll())
-    try:
+    async with polled(sample, SAMPLE_INTERVAL):
         yield samples
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        if samples:
-            await sample()
-
-
-MEMORY_INTERVAL = 2.0  # seconds between samples of a server's memory (a sample costs it about 10 ms)
 
 
 def tree_pss_mib(pid: int) -> float | None:
@@ -109,27 +119,14 @@ async def sample_memory(pid: int | None):
     event loop that times the tokens never waits on it."""
     peak: dict[str, float] = {}
 
-    async def sample() -> None:
-        value = await asyncio.to_thread(tree_pss_mib, pid)
+    async def sample() -> bool:
+        value = None if pid is None else await asyncio.to_thread(tree_pss_mib, pid)
         if value is not None:
             peak["peak_memory_mib"] = max(value, peak.get("peak_memory_mib", 0.0))
+        return value is not None
 
-    async def poll() -> None:
-        while True:
-            await sample()
-            await asyncio.sleep(MEMORY_INTERVAL)
-
-    if pid is None:
+    async with polled(sample, MEMORY_INTERVAL):
         yield peak
-        return
-    task = asyncio.create_task(poll())
-    try:
-        yield peak
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await sample()
 
 
 async def run_workload(target, conversations: list[Conversation], arrivals: list[float] | None = None,
