@@ -9,6 +9,7 @@ import sys
 import time
 
 import numpy as np
+import psutil
 import pytest
 from typer.testing import CliRunner
 
@@ -213,7 +214,7 @@ async def test_hf_static_batches_and_streams(tiny_model_dir):
 def test_a_servers_memory_counts_its_descendants():
     """A server's memory is its process tree's: here a parent that holds little and a child that
     holds 256 MiB, as vLLM's API process and its engine core."""
-    child = "import sys, time; block = bytearray(256 * 2**20); print(flush=True); time.sleep(60)"
+    child = "import time; block = bytearray(256 * 2**20); print(flush=True); time.sleep(60)"
     parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', "
                                f"{child!r}])"], stdout=subprocess.PIPE)
     try:
@@ -227,8 +228,6 @@ def test_a_servers_memory_counts_its_descendants():
 
         assert asyncio.run(sampled())["peak_memory_mib"] > 256
     finally:
-        import psutil
-
         for process in [*psutil.Process(parent.pid).children(), parent]:
             process.kill()
         parent.wait()

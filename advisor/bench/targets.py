@@ -110,6 +110,7 @@ class TGITarget:
     """TGI's native `POST /generate_stream` (events `data:{json}`, no [DONE], details at the end)."""
 
     server_pid = None  # a server this bench did not start
+
     def __init__(self, base_url: str, api_key: str | None = None) -> None:
         self.name = base_url
         self.client = _client(base_url)
@@ -141,6 +142,7 @@ class BackendTarget:
     """A `Backend` driven in process: no HTTP, the engine's own cost only."""
 
     server_pid = None  # no server: the engine shares this process
+
     def __init__(self, backend: Backend) -> None:
         self.name, self.backend = backend.name, backend
 
