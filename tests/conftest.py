@@ -210,6 +210,13 @@ def serve_app(app):
         thread.join(timeout=30)
 
 
+def away_from_minute_edge(margin: float = 10) -> None:
+    """Quotas count in fixed one-minute windows: a burst that should meet one limit starts at
+    least `margin` seconds before the next window does."""
+    if time.time() % 60 > 60 - margin:
+        time.sleep(61 - time.time() % 60)
+
+
 def wait_ready(base_url: str, timeout: float = 120, path: str = "/ready", process=None) -> None:
     """Until `base_url + path` answers 200 (a server still starting may refuse connections);
     fails if it takes longer than `timeout` or if `process` (a Popen) exits meanwhile. The

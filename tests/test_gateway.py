@@ -20,7 +20,7 @@ from backends.builtin import BuiltinBackend, EngineConfig
 from gateway.db import make_engine
 from gateway.keys import key_prefix
 
-from .conftest import ADMIN_KEY, AUTH, bearer, gateway_app, serve_app, usage_records, wait_ready
+from .conftest import ADMIN_KEY, AUTH, away_from_minute_edge, bearer, gateway_app, serve_app, usage_records, wait_ready
 
 PROMPT = "Count with me:"
 
@@ -59,12 +59,6 @@ def client(gw, key: str) -> openai.OpenAI:
 
 def prefix(key: str) -> str:
     return key.split("_")[1]
-
-
-def away_from_minute_edge() -> None:
-    """Fixed one-minute windows: keep a burst inside one of them."""
-    if time.time() % 60 > 50:
-        time.sleep(61 - time.time() % 60)
 
 
 def test_tenant_isolation_and_keys_at_rest(gw, caplog):

@@ -18,7 +18,7 @@ from gateway.db import make_engine, upgrade
 from gateway.quotas import MemoryQuotaStore, QuotaExceeded, QuotaLimits, RedisQuotaStore, Scope
 from gateway.tenancy import KeyIn, TenantIn, bootstrap, create_key, create_tenant
 
-from .conftest import ADMIN_KEY, AUTH, REDIS_URL, needs_redis, serve_app
+from .conftest import ADMIN_KEY, AUTH, REDIS_URL, away_from_minute_edge, needs_redis, serve_app
 
 
 @pytest_asyncio.fixture(params=["memory", pytest.param("redis", marks=needs_redis)], loop_scope="function")
@@ -117,8 +117,7 @@ def test_two_gateway_processes_sharing_redis_admit_exactly_the_limit(tiny_model_
     ports = [free_port(), free_port()]
     with server_process(_on_port(command, ports[0]), f"http://127.0.0.1:{ports[0]}", "/ready", env=env) as a, \
             server_process(_on_port(command, ports[1]), f"http://127.0.0.1:{ports[1]}", "/ready", env=env) as b:
-        if time.time() % 60 > 45:  # keep the burst inside one one-minute window
-            time.sleep(61 - time.time() % 60)
+        away_from_minute_edge(margin=15)
 
         async def burst():
             async with httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=60) as http:

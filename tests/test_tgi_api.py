@@ -16,7 +16,7 @@ from huggingface_hub import errors as hub_errors
 
 from backends.builtin import BuiltinBackend, EngineConfig
 
-from .conftest import ADMIN_KEY, AUTH, gateway_app, serve_app, wait_ready
+from .conftest import ADMIN_KEY, AUTH, away_from_minute_edge, gateway_app, serve_app, wait_ready
 
 PROMPT = "The weather today is"
 
@@ -89,6 +89,7 @@ def test_tgi_clients_raise_their_own_errors_for_422_and_429(tgi):
     httpx.post(f"{url}/admin/tenants", headers=AUTH, json={"name": name, "rpm": 1, "models": ["tiny"]})
     limited = httpx.post(f"{url}/admin/keys", headers=AUTH, json={"tenant": name}).json()["key"]
     limited_client = text_generation.Client(url, headers={"Authorization": f"Bearer {limited}"}, timeout=60)
+    away_from_minute_edge()  # the three requests below fall in one window
     limited_client.generate(PROMPT, max_new_tokens=2)
     with pytest.raises(text_generation.errors.OverloadedError, match="requests per minute"):
         limited_client.generate(PROMPT, max_new_tokens=2)
