@@ -119,6 +119,26 @@ def test_native_kernel_equals_the_pytorch_path(dtype, kv_dtype, head_dim):
             assert (out - outs[-1]).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_chunk_kernel_on_amx_tiles_equals_its_bf16_pairs(head_dim):
+    """Where AMX runs, bf16 chunks take the kernel's tile products: they equal its VDPBF16PS walk
+    (the path of every other AVX512-BF16 CPU) for whole prompts over several 128-token items,
+    chunks after cached tokens, and chunks whose rows fill no whole 16-row tile."""
+    from backends.builtin import kernels
+
+    if not kernels.chunk_amx(torch.bfloat16):
+        pytest.skip(f"AMX bf16 tiles do not run here (this CPU multiplies bf16 with {bf16_native() or 'neither'})")
+    kv = filled_cache("auto", torch.bfloat16, head_dim)
+    tables = torch.tensor([list(range(0, 20)), list(range(20, 40)), list(range(40, 60)), [60, 61, 62, 63] + [0] * 16])
+    q_lens, ctx = [300, 200, 5, 17], [300, 310, 40, 64]
+    q = torch.randn(sum(q_lens), 9, head_dim).to(torch.bfloat16)
+    starts, ctx = torch.cumsum(torch.tensor([0] + q_lens), 0), torch.tensor(ctx)
+    tiles, pairs = (kernels.chunk_attention(q, kv, tables, starts, ctx, head_dim**-0.5, amx=amx).float()
+                    for amx in (True, False))
+    assert tiles.isfinite().all()
+    assert (tiles - pairs).abs().max().item() < 2e-2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_gathered_attention_equals_dense_attention(dtype):
     """The PyTorch path against each sequence's attention written out: chunks of one length (no

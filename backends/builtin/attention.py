@@ -8,8 +8,8 @@ to their slots. Then two paths read the cache, one call each per layer:
 - with the native kernels, decode tokens (one new token in their sequence) go to
   `csrc/paged_attention.cpp` and prompt chunks to `csrc/chunk_attention.cpp`, both reading the
   blocks in place: no gather, no padding, and a chunk attends only its causal half (but chunks
-  take the PyTorch path where `kernels.chunk_kernel_serves` says no: on AVX2, and bf16 chunks on
-  a CPU with working AMX, whose SDPA runs on AMX tiles);
+  take the PyTorch path where `kernels.chunk_kernel_serves` says no: on AVX2; bf16 chunks on a
+  CPU with working AMX take the chunk kernel's AMX tiles);
 - without them (`--attention torch`, or where they cannot be built) every token goes to the
   PyTorch path: each sequence's context is gathered through its block table into a padded
   batch and attended with one SDPA call under a causal mask aligned bottom-right (a chunk that
@@ -210,6 +210,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
         return kernels.paged_attention(q, kv, meta.kernel.block_tables, meta.kernel.positions, scale)
     if meta.kernel is None and meta.chunks is None and len(meta.gather) == 1:  # one class: every token, in order
         return _gather_attention(q, kv, meta.gather[0], scale)
+    if meta.kernel is None and meta.chunks is not None and not meta.gather:  # chunks only: every token, in order
+        part = meta.chunks
+        return kernels.chunk_attention(q, kv, part.block_tables, part.query_starts, part.context_lens, scale)
     out = torch.empty_like(q)
     if meta.kernel is not None:
         part = meta.kernel

@@ -38,7 +38,7 @@ class EngineConfig:
                                                     "auto")
     attention: Literal["auto", "native", "torch"] = _help(
         "Native CPU kernels (attention of decode tokens and prompt chunks, the layers' element-wise ops, bf16 "
-        "GEMMs on AVX512-BF16 without AMX; bf16 chunks take SDPA where AMX runs): auto (where they build) | "
+        "GEMMs on AVX512-BF16 without AMX; bf16 chunks on AMX tiles where AMX runs): auto (where they build) | "
         "native | torch (PyTorch only, the reference).",
         "auto")
     cache_dir: str | None = _help("Converted-weights cache (default: ~/.cache/servegate).", None)

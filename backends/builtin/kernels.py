@@ -12,6 +12,7 @@ for `-march=native`) needs a C++ compiler; its progress is logged every 10 s. Wh
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import threading
@@ -92,20 +93,31 @@ def paged_attention(q: torch.Tensor, kv, block_tables: torch.Tensor, positions: 
 def chunk_kernel_serves(dtype: torch.dtype) -> bool:
     """Whether prompt chunks of this cache dtype go to the chunk kernel rather than to SDPA over
     their gathered context. The kernel is built where AVX-512 is (on AVX2 SDPA's GEMMs are 1.5-2x
-    faster than a portable form of it); bf16 chunks on a CPU with working AMX take SDPA, whose
-    GEMMs run on AMX tiles, faster there than the kernel's float32 FMAs and a first form of its
-    VDPBF16PS pairs (which serve bf16 wherever AVX512-BF16 runs without AMX: 2.2-2.5x the FMAs
-    on AMD EPYC Zen 4)."""
+    faster than a portable form of it). bf16 chunks on a CPU with working AMX take its AMX tiles
+    (`chunk_amx`) where they are built, else SDPA, whose GEMMs run on AMX tiles too, faster there
+    than the kernel's VDPBF16PS pairs (which serve bf16 wherever AVX512-BF16 runs without AMX:
+    2.2-2.5x the float32 FMAs on AMD EPYC Zen 4)."""
     module = load()
-    amx_bf16 = dtype == torch.bfloat16 and bf16_native() == "AMX-BF16"
-    return module is not None and module.chunk_attention_native() and not amx_bf16
+    if module is None or not module.chunk_attention_native():
+        return False
+    return chunk_amx(dtype) or not (dtype == torch.bfloat16 and bf16_native() == "AMX-BF16")
+
+
+@functools.cache
+def chunk_amx(dtype: torch.dtype) -> bool:
+    """Whether the chunk kernel multiplies on AMX tiles: a bf16 cache, on a CPU whose tile state
+    runs (`bf16_native` probes it: a CPU may report AMX that its hypervisor does not grant). Asked
+    once per layer and step, so answered once."""
+    return dtype == torch.bfloat16 and bf16_native() == "AMX-BF16" and load().chunk_attention_amx()
 
 
 def chunk_attention(q: torch.Tensor, kv, block_tables: torch.Tensor, query_starts: torch.Tensor,
-                    context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                    context_lens: torch.Tensor, scale: float, amx: bool | None = None) -> torch.Tensor:
     """q: [t, H, D], the chunks' tokens one chunk after another; one block table, start and
-    context length per chunk (`query_starts` has one more: the end)."""
-    return _attend(load().chunk_attention, q, kv, block_tables, query_starts, context_lens, scale)
+    context length per chunk (`query_starts` has one more: the end). amx: on AMX tiles (default:
+    `chunk_amx`), or not, to compare the two."""
+    amx = chunk_amx(kv.data.dtype) if amx is None else amx
+    return _attend(load().chunk_attention, q, kv, block_tables, query_starts, context_lens, scale, amx)
 
 
 def layer_ops(device: torch.device, dtype: torch.dtype):

@@ -6,8 +6,9 @@
 // values are laid out once for all its rows (in float32, or, for a bf16 cache on a CPU
 // with AVX512-BF16, kept in bf16 pairs for VDPBF16PS), read through the block table, so nothing
 // is gathered or padded; its rows then walk them four at a time, an exact softmax in float32 over
-// the keys each row sees. Where SDPA over a padded gather attends every key under a mask, this
-// does the causal half, and the largest items go first so the threads finish together. AVX-512
+// the keys each row sees; where AMX runs (and the caller asks), sixteen rows a tile product
+// instead, in items of 128 tokens. Where SDPA over a padded gather attends every key under a mask,
+// this does the causal half, and the largest items go first so the threads finish together. AVX-512
 // only: with AVX2's sixteen 8-lane registers a row's accumulators do not stay in registers, and
 // SDPA's GEMMs over the gathered context were 1.5-2x faster than a portable form of this loop
 // (AMD EPYC Zen 3), so there the engine takes SDPA.
@@ -337,15 +338,163 @@ static void attend_item(const Item& item, const Chunk& chunk, const float* query
   }
 }
 
-// The item attention for this cache type and head size: bf16 pairs where the CPU multiplies them.
-template <typename scalar_t, int64_t D>
-static auto item_kernel() {
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) return attend_item<Bf16Pairs<D>, scalar_t, D>;
-  else
-#endif
-    return attend_item<FloatTiles<scalar_t, D>, scalar_t, D>;
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// Linux hands out the AMX tile state only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM
+// for XFEATURE_XTILEDATA); oneDNN asks too, but this kernel may run first.
+static bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return permitted;
 }
+
+// Every tile 16 rows of 64 bytes: a query or weight tile (16 rows x 32 bf16), a key or value tile
+// (16 pairs x 16 columns of bf16 pairs), an accumulator (16 x 16 float32).
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int i = 0; i < 8; ++i) colsb[i] = 64, rows[i] = 16;
+  }
+};
+
+// An item on AMX tiles (a bf16 cache on a CPU whose tile state this process may use), sixteen of
+// its rows a tile: their scores, 16 keys a tile product (tmm0 += query tiles tmm4.. x key tiles),
+// kept in float32; an exact softmax of each row over the keys it sees, the weights rounded to bf16
+// (as in the VDPBF16PS walk); then the weighted values, 32 keys a product into four accumulators
+// of 16 dimensions each (tmm0-3). The layouts are Bf16Pairs': a key tile is a 16-key slice of its
+// transposed pairs, a value tile 16 key pairs of 16 dimensions.
+template <int64_t D>
+static void attend_item_amx(const Item& item, const Chunk& chunk, const float* query, const at::BFloat16* key_cache,
+                            const at::BFloat16* value_cache, const float*, const float*, float scale, float* out) {
+  static_assert(D == 64 || D == 128);
+  constexpr int64_t kPairs = D / 2;
+  thread_local Bf16Pairs<D> tiles;
+  thread_local std::vector<float> scores;          // [16][width]
+  thread_local std::vector<at::BFloat16> weights;  // [16][width]
+  alignas(64) float acc[kTile][64];
+  static const TileConfig config;
+  _tile_loadconfig(&config);
+  const int64_t group = chunk.group(), rows = chunk.rows(item);
+  tiles.load(chunk, item, query, key_cache, value_cache, nullptr, nullptr, scale);
+  tiles.q.resize((rows + kTile - 1) / kTile * kTile * kPairs, 0);  // whole tiles of rows; the padding is 0
+  const uint32_t* keys = tiles.keys.data();
+  const uint32_t* values = tiles.values.data();
+  for (int64_t row0 = 0; row0 < rows; row0 += kTile) {
+    int64_t visible[kTile];  // keys 0..position: a padding row repeats the last row's; its output is dropped
+    for (int64_t r = 0; r < kTile; ++r)
+      visible[r] = chunk.first_position + item.first + std::min(row0 + r, rows - 1) / group + 1;
+    const int64_t key_tiles = (visible[kTile - 1] + kTile - 1) / kTile;  // the last row sees the most
+    const int64_t width = (visible[kTile - 1] + kStep - 1) / kStep * kStep;
+    scores.resize(kTile * width);
+    weights.resize(kTile * width);
+    const uint32_t* q = tiles.q.data() + row0 * kPairs;
+    _tile_loadd(4, q, kPairs * 4);
+    _tile_loadd(5, q + 16, kPairs * 4);
+    if constexpr (D == 128) {
+      _tile_loadd(6, q + 32, kPairs * 4);
+      _tile_loadd(7, q + 48, kPairs * 4);
+    }
+    for (int64_t t = 0; t < key_tiles; ++t) {
+      const uint32_t* k = keys + t * kTile * kPairs;
+      _tile_zero(0);
+      _tile_loadd(1, k, 64);
+      _tile_dpbf16ps(0, 4, 1);
+      _tile_loadd(2, k + 16 * kTile, 64);
+      _tile_dpbf16ps(0, 5, 2);
+      if constexpr (D == 128) {
+        _tile_loadd(1, k + 32 * kTile, 64);
+        _tile_dpbf16ps(0, 6, 1);
+        _tile_loadd(2, k + 48 * kTile, 64);
+        _tile_dpbf16ps(0, 7, 2);
+      }
+      _tile_stored(0, scores.data() + t * kTile, width * 4);
+    }
+    float inverse[kTile];
+    const __m512 scaled = _mm512_set1_ps(scale);
+    for (int64_t r = 0; r < kTile; ++r) {  // scores -> weights in bf16, 0 past the row's last key
+      const float* s = scores.data() + r * width;
+      at::BFloat16* w = weights.data() + r * width;
+      const int64_t whole = visible[r] / kTile * kTile;
+      const auto tail = static_cast<__mmask16>((1u << (visible[r] - whole)) - 1);
+      __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t j = 0; j < whole; j += kTile) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
+      top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, s + whole));
+      const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top) * scale);
+      __m512 sum = _mm512_setzero_ps();
+      auto weigh = [&](int64_t j, __mmask16 seen) {  // exp(scale * score - scale * max)
+        const __m512 e = _mm512_maskz_mov_ps(seen, exp512_nonpositive(_mm512_fmsub_ps(
+                                                       _mm512_loadu_ps(s + j), scaled, shift)));
+        sum = _mm512_add_ps(sum, e);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + j), (__m256i)_mm512_cvtneps_pbh(e));
+      };
+      for (int64_t j = 0; j < whole; j += kTile) weigh(j, 0xffff);
+      int64_t j = whole;
+      if (tail) weigh(j, tail), j += kTile;
+      for (; j < width; j += kTile) _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + j), _mm256_setzero_si256());
+      inverse[r] = 1.f / _mm512_reduce_add_ps(sum);
+    }
+    for (int64_t half = 0; half < D / 64; ++half) {  // 64 dimensions at a time: four accumulators
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t j = 0; j < width; j += kStep) {
+        const uint32_t* v = values + j / 2 * D + half * 64;
+        _tile_loadd(4, weights.data() + j, width * 2);
+        _tile_loadd(5, v, D * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, v + 16, D * 4);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, v + 32, D * 4);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(6, v + 48, D * 4);
+        _tile_dpbf16ps(3, 4, 6);
+      }
+      _tile_stored(0, acc[0], 64 * 4);
+      _tile_stored(1, acc[0] + 16, 64 * 4);
+      _tile_stored(2, acc[0] + 32, 64 * 4);
+      _tile_stored(3, acc[0] + 48, 64 * 4);
+      for (int64_t r = 0; r < kTile && row0 + r < rows; ++r) {
+        float* dst = out + chunk.row_of(item, row0 + r) * D + half * 64;
+        const __m512 inv = _mm512_set1_ps(inverse[r]);
+        for (int64_t c = 0; c < 4; ++c) _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * c), inv));
+      }
+    }
+  }
+  _tile_release();
+}
+#define SERVEGATE_AMX 1
+#endif
+
+bool chunk_attention_amx() {
+#if defined(SERVEGATE_AMX)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The item attention for this cache type and head size: AMX tiles where asked for (and built),
+// else bf16 pairs where the CPU multiplies them, else float32 FMAs.
+template <typename scalar_t, int64_t D>
+static auto item_kernel(bool amx) {
+  using Kernel = void (*)(const Item&, const Chunk&, const float*, const scalar_t*, const scalar_t*, const float*,
+                          const float*, float, float*);
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+#if defined(SERVEGATE_AMX)
+    if (amx) return Kernel{attend_item_amx<D>};
+#endif
+    return Kernel{attend_item<Bf16Pairs<D>, scalar_t, D>};
+  } else
+#endif
+    return Kernel{attend_item<FloatTiles<scalar_t, D>, scalar_t, D>};
+}
+#else
+bool chunk_attention_amx() { return false; }
 #endif
 
 // query [T, H, D] float32: the chunks' tokens, one chunk after another; caches [N, block_size, Hkv, D]
@@ -355,7 +504,7 @@ static auto item_kernel() {
 // context_len - 1).
 torch::Tensor chunk_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                               torch::Tensor scales, torch::Tensor block_tables, torch::Tensor query_starts,
-                              torch::Tensor context_lens, double scale) {
+                              torch::Tensor context_lens, double scale, bool amx) {
 #if !defined(__AVX512F__)
   TORCH_CHECK(false, "the chunk attention kernel is built for AVX-512 only (chunk_attention_native())");
 #else
@@ -374,11 +523,19 @@ torch::Tensor chunk_attention(torch::Tensor query, torch::Tensor key_cache, torc
   const float* v_scales = int8 ? k_scales + scales[0].numel() : nullptr;
   const int64_t* starts = query_starts.data_ptr<int64_t>();
   const int64_t* ctx = context_lens.data_ptr<int64_t>();
+  TORCH_CHECK(!amx || (chunk_attention_amx() && key_cache.scalar_type() == at::kBFloat16),
+              "AMX serves a bf16 cache, where it is built (chunk_attention_amx())");
+#if defined(SERVEGATE_AMX)
+  TORCH_CHECK(!amx || amx_permitted(), "Linux refused this process the AMX tile state");
+#endif
+  // On AMX an item takes 128 tokens: its keys and values are laid out once for 8x the rows (the
+  // tiles multiply fast enough for that layout to show: 10% of the kernel at 32-token chunks).
+  const int64_t item_tokens = amx ? 8 * kTile : kTile;
   std::vector<Item> items;
   for (int64_t s = 0; s < seqs; ++s) {
     const int64_t len = starts[s + 1] - starts[s];
-    for (int64_t first = 0; first < len; first += kTile) {
-      const int64_t last = std::min(len, first + kTile);
+    for (int64_t first = 0; first < len; first += item_tokens) {
+      const int64_t last = std::min(len, first + item_tokens);
       const int64_t cost = (ctx[s] - len + last + kTile - 1) / kTile;
       for (int64_t g = 0; g < kv_heads; ++g) items.push_back({s, g, first, last, cost});
     }
@@ -390,7 +547,7 @@ torch::Tensor chunk_attention(torch::Tensor query, torch::Tensor key_cache, torc
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   auto run = [&](auto* kc, auto* vc) {
     using scalar_t = std::remove_const_t<std::remove_pointer_t<decltype(kc)>>;
-    auto one = head_dim == 64 ? item_kernel<scalar_t, 64>() : item_kernel<scalar_t, 128>();
+    auto one = head_dim == 64 ? item_kernel<scalar_t, 64>(amx) : item_kernel<scalar_t, 128>(amx);
     std::atomic<int64_t> next{0};  // each thread takes the next largest item left
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
       for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(items.size());) {

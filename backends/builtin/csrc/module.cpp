@@ -4,9 +4,10 @@
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                               torch::Tensor scales, torch::Tensor block_tables, torch::Tensor positions, double scale);
 bool chunk_attention_native();
+bool chunk_attention_amx();
 torch::Tensor chunk_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                               torch::Tensor scales, torch::Tensor block_tables, torch::Tensor query_starts,
-                              torch::Tensor context_lens, double scale);
+                              torch::Tensor context_lens, double scale, bool amx);
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rotary(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t kv_heads);
 torch::Tensor silu_mul(torch::Tensor gate_up);
@@ -16,6 +17,7 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight, c10::optional<t
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Exact attention over a paged KV cache (CPU)");
   m.def("chunk_attention_native", &chunk_attention_native, "Whether chunk_attention was built (AVX-512)");
+  m.def("chunk_attention_amx", &chunk_attention_amx, "Whether chunk_attention can take AMX tiles (bf16 caches)");
   m.def("chunk_attention", &chunk_attention, "Causal attention of prompt chunks over a paged KV cache (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rms_norm(residual), in place (float32 or bf16)");
   m.def("rotary", &rotary, "Rotary embedding of qkv's query and key heads, in place (float32 or bf16)");
