@@ -117,7 +117,12 @@ def chunk_attention(q: torch.Tensor, kv, block_tables: torch.Tensor, query_start
     context length per chunk (`query_starts` has one more: the end). amx: on AMX tiles (default:
     `chunk_amx`), or not, to compare the two."""
     amx = chunk_amx(kv.data.dtype) if amx is None else amx
-    return _attend(load().chunk_attention, q, kv, block_tables, query_starts, context_lens, scale, amx)
+    if not amx:
+        return _attend(load().chunk_attention, q, kv, block_tables, query_starts, context_lens, scale, False)
+    # on AMX tiles the query and the output are bf16 (a bf16 model's as they are), not float32
+    out = load().chunk_attention(q.to(torch.bfloat16).contiguous(), kv.data[0], kv.data[1], torch.empty(0),
+                                 block_tables, query_starts, context_lens, scale, True)
+    return out.to(q.dtype)
 
 
 def layer_ops(device: torch.device, dtype: torch.dtype):

@@ -108,8 +108,9 @@ template <typename scalar_t, int64_t D>
 struct FloatTiles {
   std::vector<float> keys, values, q;
 
-  void load(const Chunk& chunk, const Item& item, const float* query, const scalar_t* key_cache,
+  void load(const Chunk& chunk, const Item& item, const void* query_, const scalar_t* key_cache,
             const scalar_t* value_cache, const float* k_scales, const float* v_scales, float scale) {
+    const auto* query = static_cast<const float*>(query_);
     const int64_t keys_len = chunk.keys(item), rows = chunk.rows(item);
     const int64_t padded = (keys_len + kStep - 1) / kStep * kStep;
     keys.resize(padded * D);
@@ -205,9 +206,16 @@ struct Bf16Pairs {
   std::vector<uint32_t> keys, values, q;  // each element a pair of bf16 values
   float scale = 1.f;
 
-  void load(const Chunk& chunk, const Item& item, const float* query, const at::BFloat16* key_cache,
+  void load(const Chunk& chunk, const Item& item, const void* query, const at::BFloat16* key_cache,
             const at::BFloat16* value_cache, const float*, const float*, float scale_) {
-    const int64_t keys_len = chunk.keys(item), rows = chunk.rows(item);
+    load_keys_values(chunk, item, key_cache, value_cache);
+    load_query(chunk, item, static_cast<const float*>(query), kRows);
+    scale = scale_;
+  }
+
+  void load_keys_values(const Chunk& chunk, const Item& item, const at::BFloat16* key_cache,
+                        const at::BFloat16* value_cache) {
+    const int64_t keys_len = chunk.keys(item);
     const int64_t padded = (keys_len + kStep - 1) / kStep * kStep;
     keys.resize(padded * kPairs);
     values.resize(padded * kPairs);
@@ -229,15 +237,25 @@ struct Bf16Pairs {
         }
       }
     }
-    q.assign((rows + kRows - 1) / kRows * kRows * kPairs, 0);
+  }
+
+  // The item's query rows as bf16 pairs, zero rows padding them to a multiple of `multiple`: a
+  // float32 query converted (exactly: a bf16 model's), a bf16 one copied.
+  template <typename query_t>
+  void load_query(const Chunk& chunk, const Item& item, const query_t* query, int64_t multiple) {
+    const int64_t rows = chunk.rows(item);
+    q.assign((rows + multiple - 1) / multiple * multiple * kPairs, 0);
     for (int64_t row = 0; row < rows; ++row) {
-      const float* from = query + chunk.row_of(item, row) * D;
-      for (int64_t p = 0; p < D / 32; ++p)
-        _mm512_storeu_si512(q.data() + row * kPairs + 16 * p,
-                            (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(from + 32 * p + 16),
-                                                         _mm512_loadu_ps(from + 32 * p)));
+      const query_t* from = query + chunk.row_of(item, row) * D;
+      if constexpr (std::is_same_v<query_t, float>) {
+        for (int64_t p = 0; p < D / 32; ++p)
+          _mm512_storeu_si512(q.data() + row * kPairs + 16 * p,
+                              (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(from + 32 * p + 16),
+                                                           _mm512_loadu_ps(from + 32 * p)));
+      } else {
+        std::memcpy(q.data() + row * kPairs, from, D * sizeof(query_t));
+      }
     }
-    scale = scale_;
   }
 
   void scores(int64_t row0, int64_t step, __m512 (&s)[kRows][2]) const {
@@ -280,9 +298,10 @@ struct Bf16Pairs {
 // softmax would.
 // `Tiles` lays out the keys and values once for all the item's rows.
 template <typename Tiles, typename scalar_t, int64_t D>
-static void attend_item(const Item& item, const Chunk& chunk, const float* query, const scalar_t* key_cache,
+static void attend_item(const Item& item, const Chunk& chunk, const void* query, const scalar_t* key_cache,
                         const scalar_t* value_cache, const float* k_scales, const float* v_scales, float scale,
-                        float* out) {
+                        void* out_) {
+  auto* out = static_cast<float*>(out_);
   thread_local Tiles tiles;
   thread_local std::vector<float> weights;  // [kRows][keys the group's last row sees, rounded up to a step]
   const int64_t group = chunk.group(), rows = chunk.rows(item);
@@ -367,8 +386,9 @@ struct TileConfig {
 // of 16 dimensions each (tmm0-3). The layouts are Bf16Pairs': a key tile is a 16-key slice of its
 // transposed pairs, a value tile 16 key pairs of 16 dimensions.
 template <int64_t D>
-static void attend_item_amx(const Item& item, const Chunk& chunk, const float* query, const at::BFloat16* key_cache,
-                            const at::BFloat16* value_cache, const float*, const float*, float scale, float* out) {
+static void attend_item_amx(const Item& item, const Chunk& chunk, const void* query, const at::BFloat16* key_cache,
+                            const at::BFloat16* value_cache, const float*, const float*, float scale, void* out_) {
+  auto* out = static_cast<at::BFloat16*>(out_);
   static_assert(D == 64 || D == 128);
   constexpr int64_t kPairs = D / 2;
   thread_local Bf16Pairs<D> tiles;
@@ -378,8 +398,8 @@ static void attend_item_amx(const Item& item, const Chunk& chunk, const float* q
   static const TileConfig config;
   _tile_loadconfig(&config);
   const int64_t group = chunk.group(), rows = chunk.rows(item);
-  tiles.load(chunk, item, query, key_cache, value_cache, nullptr, nullptr, scale);
-  tiles.q.resize((rows + kTile - 1) / kTile * kTile * kPairs, 0);  // whole tiles of rows; the padding is 0
+  tiles.load_keys_values(chunk, item, key_cache, value_cache);
+  tiles.load_query(chunk, item, static_cast<const at::BFloat16*>(query), kTile);  // whole tiles of rows
   const uint32_t* keys = tiles.keys.data();
   const uint32_t* values = tiles.values.data();
   for (int64_t row0 = 0; row0 < rows; row0 += kTile) {
@@ -413,7 +433,8 @@ static void attend_item_amx(const Item& item, const Chunk& chunk, const float* q
       _tile_stored(0, scores.data() + t * kTile, width * 4);
     }
     float inverse[kTile];
-    const __m512 scaled = _mm512_set1_ps(scale);
+    const float log2_scale = scale * 1.44269504088896341f;  // exp(scale * x) = 2^(log2_scale * x)
+    const __m512 scaled = _mm512_set1_ps(log2_scale);
     for (int64_t r = 0; r < kTile; ++r) {  // scores -> weights in bf16, 0 past the row's last key
       const float* s = scores.data() + r * width;
       at::BFloat16* w = weights.data() + r * width;
@@ -422,10 +443,10 @@ static void attend_item_amx(const Item& item, const Chunk& chunk, const float* q
       __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
       for (int64_t j = 0; j < whole; j += kTile) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
       top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, s + whole));
-      const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top) * scale);
+      const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top) * log2_scale);
       __m512 sum = _mm512_setzero_ps();
-      auto weigh = [&](int64_t j, __mmask16 seen) {  // exp(scale * score - scale * max)
-        const __m512 e = _mm512_maskz_mov_ps(seen, exp512_nonpositive(_mm512_fmsub_ps(
+      auto weigh = [&](int64_t j, __mmask16 seen) {  // exp(scale * (score - max))
+        const __m512 e = _mm512_maskz_mov_ps(seen, exp2_512_nonpositive(_mm512_fmsub_ps(
                                                        _mm512_loadu_ps(s + j), scaled, shift)));
         sum = _mm512_add_ps(sum, e);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + j), (__m256i)_mm512_cvtneps_pbh(e));
@@ -458,9 +479,11 @@ static void attend_item_amx(const Item& item, const Chunk& chunk, const float* q
       _tile_stored(2, acc[0] + 32, 64 * 4);
       _tile_stored(3, acc[0] + 48, 64 * 4);
       for (int64_t r = 0; r < kTile && row0 + r < rows; ++r) {
-        float* dst = out + chunk.row_of(item, row0 + r) * D + half * 64;
+        at::BFloat16* dst = out + chunk.row_of(item, row0 + r) * D + half * 64;
         const __m512 inv = _mm512_set1_ps(inverse[r]);
-        for (int64_t c = 0; c < 4; ++c) _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * c), inv));
+        for (int64_t c = 0; c < 4; ++c)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * c), inv)));
       }
     }
   }
@@ -481,8 +504,8 @@ bool chunk_attention_amx() {
 // else bf16 pairs where the CPU multiplies them, else float32 FMAs.
 template <typename scalar_t, int64_t D>
 static auto item_kernel(bool amx) {
-  using Kernel = void (*)(const Item&, const Chunk&, const float*, const scalar_t*, const scalar_t*, const float*,
-                          const float*, float, float*);
+  using Kernel = void (*)(const Item&, const Chunk&, const void*, const scalar_t*, const scalar_t*, const float*,
+                          const float*, float, void*);
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
 #if defined(SERVEGATE_AMX)
@@ -497,7 +520,7 @@ static auto item_kernel(bool amx) {
 bool chunk_attention_amx() { return false; }
 #endif
 
-// query [T, H, D] float32: the chunks' tokens, one chunk after another; caches [N, block_size, Hkv, D]
+// query [T, H, D] float32 (bf16 on AMX, and so the output): the chunks' tokens, one chunk after another; caches [N, block_size, Hkv, D]
 // (their K/V already written); scales [2, N, block_size, Hkv] float32 for int8 caches, else empty;
 // block_tables [S, max_blocks] int64; query_starts [S + 1] int64 (chunk s is query rows
 // query_starts[s]..query_starts[s + 1]); context_lens [S] int64 (the chunk's last token is at
@@ -508,7 +531,8 @@ torch::Tensor chunk_attention(torch::Tensor query, torch::Tensor key_cache, torc
 #if !defined(__AVX512F__)
   TORCH_CHECK(false, "the chunk attention kernel is built for AVX-512 only (chunk_attention_native())");
 #else
-  TORCH_CHECK(query.dtype() == torch::kFloat32 && query.is_contiguous(), "query must be contiguous float32");
+  TORCH_CHECK(query.is_contiguous() && query.dtype() == (amx ? torch::kBFloat16 : torch::kFloat32),
+              "query must be contiguous, float32 (bf16 on AMX)");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_tables.dtype() == torch::kInt64 && query_starts.dtype() == torch::kInt64 &&
                   context_lens.dtype() == torch::kInt64, "indices must be int64");
@@ -542,8 +566,8 @@ torch::Tensor chunk_attention(torch::Tensor query, torch::Tensor key_cache, torc
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   auto out = torch::empty_like(query);
-  const float* q = query.data_ptr<float>();
-  float* o = out.data_ptr<float>();
+  const void* q = query.data_ptr();
+  void* o = out.data_ptr();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   auto run = [&](auto* kc, auto* vc) {
     using scalar_t = std::remove_const_t<std::remove_pointer_t<decltype(kc)>>;

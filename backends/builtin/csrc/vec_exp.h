@@ -40,6 +40,20 @@ static inline __m512 exp512_nonpositive(__m512 x) {
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(e, _mm512_castsi512_ps(bits));
 }
+
+// 2^t for t <= 0: t = n + f with n an integer and |f| <= 1/2, 2^f by Cephes' exp2f polynomial
+// (about 1 ulp), scaled by 2^n in one VSCALEFPS; below -126 about 0. Ten instructions where
+// exp512_nonpositive takes sixteen: for a softmax that folds log2(e) into its scale.
+static inline __m512 exp2_512_nonpositive(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  for (const float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
+                        6.931472028550421e-1f})
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(_mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f)), n);
+}
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
