@@ -245,6 +245,34 @@ def test_abort_frees_blocks_at_the_next_step(make_engine):
         engine.step()
 
 
+async def test_a_burst_arriving_over_a_few_milliseconds_shares_one_first_step(make_engine, tiny_model, monkeypatch):
+    """The loop keeps taking arrivals until none has come for ARRIVAL_GAP_S: a request that comes
+    within the gap joins the first one's step instead of waiting a whole step behind it; one that
+    comes after the gap does not wait for it (the gap widened here so that a loaded machine's
+    scheduling cannot decide the test)."""
+    import asyncio
+
+    from backends.builtin import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "ARRIVAL_GAP_S", 0.5)
+    monkeypatch.setattr(engine_module, "ARRIVAL_WAIT_S", 2.0)
+    engine = make_engine(tiny_model, dtype="float64")
+    front = engine_module.AsyncLLMEngine(engine)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    async def first_token(request_id: str, delay: float) -> None:
+        await asyncio.sleep(delay)
+        [out async for out in front.stream(request_id, [300, 301, 302], params)]
+
+    try:
+        await asyncio.gather(first_token("a", 0.0), first_token("b", 0.05))
+        assert engine.steps == 1  # both prompts in one step, each its one token
+        await asyncio.gather(first_token("c", 0.0), first_token("d", 1.5))  # past the gap: a step each
+        assert engine.steps == 3
+    finally:
+        front.shutdown()
+
+
 async def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(make_engine, tiny_model):
     from backends.base import UpstreamError
     from backends.builtin.engine import AsyncLLMEngine

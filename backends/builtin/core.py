@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import threading
+import time
 from dataclasses import dataclass
 
 from ..base import InvalidRequest, UpstreamError
 from .config import EngineConfig
-from .engine import EngineFront, LLMEngine, run_command, step_or_fail
+from .engine import ARRIVAL_GAP_S, ARRIVAL_WAIT_S, EngineFront, LLMEngine, run_command, step_or_fail
 
 
 @dataclass(frozen=True)
@@ -47,10 +48,12 @@ def run(config: EngineConfig, conn) -> None:
     while True:
         if not engine.has_work:
             conn.poll(None)
-        while conn.poll():
+        added, deadline = False, time.monotonic() + ARRIVAL_WAIT_S
+        while conn.poll(max(0.0, min(ARRIVAL_GAP_S, deadline - time.monotonic())) if added else 0):
             command = conn.recv()
             if command[0] == "stop":
                 return
+            added |= command[0] == "add"
             if refused := run_command(engine, command):
                 conn.send(("refused", *refused))
         if engine.has_work:
