@@ -78,8 +78,9 @@ def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
 
 
 def _attend(kernel, q: torch.Tensor, kv, *indices) -> torch.Tensor:
-    """Both attention kernels take a float32 query, the layer's K and V caches and their int8
-    scales (empty for other caches); they answer in float32, returned here in the query's dtype."""
+    """Both attention kernels take a float32 query (but the chunk kernel on AMX tiles, below), the
+    layer's K and V caches and their int8 scales (empty for other caches); they answer in float32,
+    returned here in the query's dtype."""
     scales = kv.scales if kv.scales is not None else torch.empty(0)
     return kernel(q.float().contiguous(), kv.data[0], kv.data[1], scales, *indices).to(q.dtype)
 
