@@ -11,12 +11,11 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import threading
-import time
 from dataclasses import dataclass
 
 from ..base import InvalidRequest, UpstreamError
 from .config import EngineConfig
-from .engine import ARRIVAL_GAP_S, ARRIVAL_WAIT_S, EngineFront, LLMEngine, run_command, step_or_fail
+from .engine import EngineFront, LLMEngine, arrival_deadline, arrival_wait, run_command, step_or_fail
 
 
 @dataclass(frozen=True)
@@ -48,8 +47,8 @@ def run(config: EngineConfig, conn) -> None:
     while True:
         if not engine.has_work:
             conn.poll(None)
-        added, deadline = False, time.monotonic() + ARRIVAL_WAIT_S
-        while conn.poll(max(0.0, min(ARRIVAL_GAP_S, deadline - time.monotonic())) if added else 0):
+        added, deadline = False, arrival_deadline()
+        while conn.poll(arrival_wait(added, deadline)):
             command = conn.recv()
             if command[0] == "stop":
                 return

@@ -37,6 +37,16 @@ ARRIVAL_GAP_S = 0.003
 ARRIVAL_WAIT_S = 0.02
 
 
+def arrival_deadline() -> float:
+    return time.monotonic() + ARRIVAL_WAIT_S
+
+
+def arrival_wait(added: bool, deadline: float) -> float:
+    """Seconds the loop waits for another command: none before a request has arrived, then the
+    gap, up to the deadline."""
+    return max(0.0, min(ARRIVAL_GAP_S, deadline - time.monotonic())) if added else 0.0
+
+
 @dataclass(frozen=True)
 class StepOutput:
     request_id: str
@@ -334,11 +344,11 @@ class AsyncLLMEngine(EngineFront):
 
     def _loop(self) -> None:
         while not self._stopped:
-            added, deadline = False, time.monotonic() + ARRIVAL_WAIT_S
+            added, deadline = False, arrival_deadline()
             while True:
                 try:
-                    wait = min(ARRIVAL_GAP_S, deadline - time.monotonic()) if added else 0
-                    command = self._inbox.get(timeout=wait) if wait > 0 else self._inbox.get_nowait()
+                    wait = arrival_wait(added, deadline)
+                    command = self._inbox.get(timeout=wait) if wait else self._inbox.get_nowait()
                 except queue.Empty:
                     break
                 added |= command[0] == "add"

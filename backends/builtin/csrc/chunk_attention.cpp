@@ -520,11 +520,11 @@ static auto item_kernel(bool amx) {
 bool chunk_attention_amx() { return false; }
 #endif
 
-// query [T, H, D] float32 (bf16 on AMX, and so the output): the chunks' tokens, one chunk after another; caches [N, block_size, Hkv, D]
-// (their K/V already written); scales [2, N, block_size, Hkv] float32 for int8 caches, else empty;
-// block_tables [S, max_blocks] int64; query_starts [S + 1] int64 (chunk s is query rows
-// query_starts[s]..query_starts[s + 1]); context_lens [S] int64 (the chunk's last token is at
-// context_len - 1).
+// query [T, H, D] float32 (bf16 on AMX, and so the output): the chunks' tokens, one chunk after
+// another; caches [N, block_size, Hkv, D] (their K/V already written); scales [2, N, block_size,
+// Hkv] float32 for int8 caches, else empty; block_tables [S, max_blocks] int64; query_starts
+// [S + 1] int64 (chunk s is query rows query_starts[s]..query_starts[s + 1]); context_lens [S]
+// int64 (the chunk's last token is at context_len - 1).
 torch::Tensor chunk_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                               torch::Tensor scales, torch::Tensor block_tables, torch::Tensor query_starts,
                               torch::Tensor context_lens, double scale, bool amx) {
