@@ -18,7 +18,7 @@ from advisor.bench.baselines import HFStaticBackend
 from advisor.bench.datasets import Conversation, Turn, shared_prefix_dataset, trace_dataset
 from advisor.bench.metrics import RequestResult, knee, kv_summary, parse_goodput, summarize
 from advisor.bench.plot import plot_sweep
-from advisor.bench.runner import sample_memory, tree_pss_mib
+from advisor.bench.runner import peak_memory, process_tree, tree_peak_mib
 from backends.base import GenerateRequest
 from backends.builtin import BuiltinBackend, EngineConfig
 from gateway.cli import app
@@ -211,30 +211,45 @@ async def test_hf_static_batches_and_streams(tiny_model_dir):
         assert finish.finish_reasons == ("length",)
 
 
-def test_a_servers_memory_counts_its_descendants():
-    """A server's memory is its process tree's: here a parent that holds little and a child that
-    holds 256 MiB, as vLLM's API process and its engine core."""
-    child = "import time; block = bytearray(256 * 2**20); print(flush=True); time.sleep(60)"
+def test_a_servers_peak_memory_counts_its_descendants_and_a_peak_between_reads():
+    """A server's memory is its process tree's: here a parent that holds little and a child, as
+    vLLM's API process and its engine core, that holds 256 MiB for a moment in the middle of the
+    run and gives it back before the end. Nothing reads the server while the run goes on, and the
+    peak is still counted."""
+    child = ("import sys; print(flush=True); sys.stdin.readline(); block = bytearray(256 * 2**20); del block; "
+             "print(flush=True); sys.stdin.readline()")
     parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', "
-                               f"{child!r}])"], stdout=subprocess.PIPE)
+                               f"{child!r}])"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
-        assert parent.stdout.readline() == b"\n"  # the child holds its block
-        assert tree_pss_mib(parent.pid) > 256
+        assert parent.stdout.readline() == b"\n"  # the child runs, holding little
 
-        async def sampled():
-            async with sample_memory(parent.pid) as peak:
-                await asyncio.sleep(0.1)
+        async def measured():
+            async with peak_memory(parent.pid) as peak:
+                parent.stdin.write(b"\n")
+                parent.stdin.flush()
+                assert await asyncio.to_thread(parent.stdout.readline) == b"\n"  # held, then given back
             return peak
 
-        assert asyncio.run(sampled())["peak_memory_mib"] > 256
+        peak = asyncio.run(measured())["peak_memory_mib"]
+        held_now = sum(p.memory_full_info().pss for p in process_tree(parent.pid)) / 2**20
+        assert peak > 256 > 128 > held_now, (peak, held_now)
+
+        async def idle():  # a later block's peak starts from what the server holds then
+            async with peak_memory(parent.pid) as peak:
+                await asyncio.sleep(0.05)
+            return peak
+
+        assert asyncio.run(idle())["peak_memory_mib"] < 128
+        processes = process_tree(parent.pid)
     finally:
         for process in [*psutil.Process(parent.pid).children(), parent]:
             process.kill()
         parent.wait()
     deadline = time.monotonic() + 10
-    while tree_pss_mib(parent.pid) is not None:  # a reaped process has no memory to report
+    while process_tree(parent.pid):  # a reaped process has no memory to report
         assert time.monotonic() < deadline
         time.sleep(0.1)
+    assert tree_peak_mib(processes) is None
 
 
 def test_compare_runs_the_same_workload_against_the_peers(tmp_path):

@@ -29,7 +29,7 @@ from .datasets import (
 )
 from .metrics import knee, kv_summary, parse_goodput, summarize
 from .plot import plot_sweep
-from .runner import measure, run_workload, sample_engine, sample_memory
+from .runner import measure, peak_memory, run_workload, sample_engine
 
 console = Console(stderr=True)
 SHOWN = (  # the summary keys printed after a run (the JSON holds them all)
@@ -109,7 +109,7 @@ async def run_once(target, conversations: list[Conversation], rate: float, burst
     columns = (TextColumn(f"rate {rate:g}/s"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("bench", total=total)
-        async with sample_engine(target) as samples, sample_memory(target.server_pid) as memory:
+        async with sample_engine(target) as samples, peak_memory(target.server_pid) as memory:
             results, duration = await run_workload(target, conversations, arrivals, max_concurrency,
                                                    on_result=lambda _: progress.advance(task))
     summary = summarize(results, duration, slo or None) | kv_summary(samples) | memory

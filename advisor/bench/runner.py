@@ -47,7 +47,6 @@ async def measure(target, prompt: str, max_tokens: int, run_start: float) -> tup
 
 
 SAMPLE_INTERVAL = 0.25  # seconds between samples of the target's engine figures
-MEMORY_INTERVAL = 2.0  # seconds between samples of a server's memory (a sample costs it about 10 ms)
 
 
 @contextlib.asynccontextmanager
@@ -92,41 +91,64 @@ async def sample_engine(target):
         yield samples
 
 
-def tree_pss_mib(pid: int) -> float | None:
-    """What a server holds in memory, in MiB: the proportional set size (PSS) of its process and
-    every descendant (vLLM's engine core, servegate's engine process), in which a page the
-    processes share, such as torch's libraries, counts once in all; RSS where there is no PSS.
-    None once the process is gone."""
+def process_tree(pid: int) -> list:
+    """The process and every descendant (vLLM's engine core, servegate's engine process); empty
+    once it is gone."""
     import psutil
 
     try:
         root = psutil.Process(pid)
-        processes = [root, *root.children(recursive=True)]
+        return [root, *root.children(recursive=True)]
     except psutil.Error:
-        return None
-    total = 0
+        return []
+
+
+def reset_peaks(processes: list) -> None:
+    """Starts each process's peak resident set (the kernel's VmHWM) afresh from what it holds now
+    (Linux's `clear_refs` 5: a counter reset, no walk over the process's memory)."""
     for process in processes:
-        with contextlib.suppress(psutil.Error):  # a child that ended meanwhile
+        with contextlib.suppress(OSError):  # a process that ended meanwhile
+            with open(f"/proc/{process.pid}/clear_refs", "w") as clear:
+                clear.write("5")
+
+
+def tree_peak_mib(processes: list) -> float | None:
+    """What a server held at most since `reset_peaks`, in MiB: the peak resident sets (VmHWM) of its
+    processes summed, less the pages they share with one another or with other processes, counted
+    as their proportional set size (PSS) counts them, from the gap between resident and
+    proportional size now. So a page the processes share, such as torch's libraries, counts once
+    in all. None where no process is left to read."""
+    import psutil
+
+    total, read = 0.0, False
+    for process in processes:
+        with contextlib.suppress(psutil.Error, OSError):  # a process that ended meanwhile
+            with open(f"/proc/{process.pid}/status") as status:
+                peak = next((int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:")), None)
+            if peak is None:  # a zombie holds no memory
+                continue
             info = process.memory_full_info()
-            total += getattr(info, "pss", info.rss)
-    return total / 2**20
+            total += peak - (info.rss - getattr(info, "pss", info.rss))
+            read = True
+    return total / 2**20 if read else None
 
 
 @contextlib.asynccontextmanager
-async def sample_memory(pid: int | None):
-    """The peak of `tree_pss_mib(pid)` while the block runs, as {"peak_memory_mib": value} once it
-    ends; empty where the bench did not start the server (pid None). Sampled in a thread, so the
-    event loop that times the tokens never waits on it."""
+async def peak_memory(pid: int | None):
+    """The peak of a server's memory (`tree_peak_mib`) while the block runs, as
+    {"peak_memory_mib": value} once it ends; empty where the bench did not start the server (pid
+    None). Nothing is read while the block runs: a PSS sample walks the server's page tables under
+    its memory-map lock, which stalls the server's own allocations for tens of milliseconds, a
+    first token's worth; the kernel keeps the peak itself."""
     peak: dict[str, float] = {}
-
-    async def sample() -> bool:
-        value = None if pid is None else await asyncio.to_thread(tree_pss_mib, pid)
-        if value is not None:
-            peak["peak_memory_mib"] = max(value, peak.get("peak_memory_mib", 0.0))
-        return value is not None
-
-    async with polled(sample, MEMORY_INTERVAL):
-        yield peak
+    processes = process_tree(pid) if pid is not None else []
+    reset_peaks(processes)
+    yield peak
+    # Children started during the block count too: their own peak runs from their start.
+    processes = {p.pid: p for p in [*processes, *(process_tree(pid) if pid is not None else [])]}
+    value = await asyncio.to_thread(tree_peak_mib, list(processes.values()))
+    if value is not None:
+        peak["peak_memory_mib"] = value
 
 
 async def run_workload(target, conversations: list[Conversation], arrivals: list[float] | None = None,
