@@ -103,13 +103,19 @@ def process_tree(pid: int) -> list:
         return []
 
 
-def reset_peaks(processes: list) -> None:
+def reset_peaks(processes: list) -> bool:
     """Starts each process's peak resident set (the kernel's VmHWM) afresh from what it holds now
-    (Linux's `clear_refs` 5: a counter reset, no walk over the process's memory)."""
+    (Linux's `clear_refs` 5: a counter reset, no walk over the process's memory). False where the
+    system refuses it (no `/proc` outside Linux, another user's process): a peak would then run
+    from the process's start, its model loading included."""
     for process in processes:
-        with contextlib.suppress(OSError):  # a process that ended meanwhile
+        try:
             with open(f"/proc/{process.pid}/clear_refs", "w") as clear:
                 clear.write("5")
+        except OSError:
+            if process.is_running():
+                return False
+    return True
 
 
 def tree_peak_mib(processes: list) -> float | None:
@@ -137,13 +143,15 @@ def tree_peak_mib(processes: list) -> float | None:
 async def peak_memory(pid: int | None):
     """The peak of a server's memory (`tree_peak_mib`) while the block runs, as
     {"peak_memory_mib": value} once it ends; empty where the bench did not start the server (pid
-    None). Nothing is read while the block runs: a PSS sample walks the server's page tables under
+    None) or its peaks could not be reset. Nothing is read while the block runs: a PSS sample walks the server's page tables under
     its memory-map lock, which stalls the server's own allocations for tens of milliseconds, a
     first token's worth; the kernel keeps the peak itself."""
     peak: dict[str, float] = {}
     processes = process_tree(pid) if pid is not None else []
-    reset_peaks(processes)
+    reset = reset_peaks(processes)
     yield peak
+    if not reset:
+        return
     # Children started during the block count too: their own peak runs from their start.
     processes = {p.pid: p for p in [*processes, *(process_tree(pid) if pid is not None else [])]}
     value = await asyncio.to_thread(tree_peak_mib, list(processes.values()))
