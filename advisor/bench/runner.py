@@ -119,11 +119,12 @@ def reset_peaks(processes: list) -> bool:
 
 
 def tree_peak_mib(processes: list) -> float | None:
-    """What a server held at most since `reset_peaks`, in MiB: the peak resident sets (VmHWM) of its
-    processes summed, less the pages they share with one another or with other processes, counted
-    as their proportional set size (PSS) counts them, from the gap between resident and
-    proportional size now. So a page the processes share, such as torch's libraries, counts once
-    in all. None where no process is left to read."""
+    """What a server held at most since `reset_peaks`, in MiB: the peak resident sets (VmHWM) of
+    its processes summed (each its own peak: a bound where they peak at different moments), less
+    the pages they share with one another or with other processes, as their proportional set size
+    (PSS) counts them, from the gap between resident and proportional size now. So a page the
+    processes share, such as torch's libraries, counts once in all. None where no process is left
+    to read."""
     import psutil
 
     total, read = 0.0, False
@@ -143,9 +144,9 @@ def tree_peak_mib(processes: list) -> float | None:
 async def peak_memory(pid: int | None):
     """The peak of a server's memory (`tree_peak_mib`) while the block runs, as
     {"peak_memory_mib": value} once it ends; empty where the bench did not start the server (pid
-    None) or its peaks could not be reset. Nothing is read while the block runs: a PSS sample walks the server's page tables under
-    its memory-map lock, which stalls the server's own allocations for tens of milliseconds, a
-    first token's worth; the kernel keeps the peak itself."""
+    None) or its peaks could not be reset. Nothing is read while the block runs: a PSS sample walks
+    the server's page tables under its memory-map lock, which stalls the server's own allocations
+    for tens of milliseconds, a first token's worth; the kernel keeps the peaks itself."""
     peak: dict[str, float] = {}
     processes = process_tree(pid) if pid is not None else []
     reset = reset_peaks(processes)
