@@ -148,16 +148,16 @@ async def peak_memory(pid: int | None):
     the server's page tables under its memory-map lock, which stalls the server's own allocations
     for tens of milliseconds, a first token's worth; the kernel keeps the peaks itself."""
     peak: dict[str, float] = {}
-    processes = process_tree(pid) if pid is not None else []
+    if pid is None:
+        yield peak
+        return
+    processes = process_tree(pid)
     reset = reset_peaks(processes)
     yield peak
-    if not reset:
-        return
-    # Children started during the block count too: their own peak runs from their start.
-    processes = {p.pid: p for p in [*processes, *(process_tree(pid) if pid is not None else [])]}
-    value = await asyncio.to_thread(tree_peak_mib, list(processes.values()))
-    if value is not None:
-        peak["peak_memory_mib"] = value
+    if reset:  # children started during the block count too: their own peak runs from their start
+        tree = {p.pid: p for p in [*processes, *process_tree(pid)]}
+        if (value := await asyncio.to_thread(tree_peak_mib, list(tree.values()))) is not None:
+            peak["peak_memory_mib"] = value
 
 
 async def run_workload(target, conversations: list[Conversation], arrivals: list[float] | None = None,
