@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import functools
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -217,7 +218,10 @@ def text_only(messages: list[dict]) -> list[dict]:
     return plain
 
 
+@functools.cache
 def servegate_version() -> str:
+    """This install's version, read once: reading a distribution's metadata walks the import path
+    (0.4 ms), and capabilities, asked several times a request, carry it."""
     try:
         return version("servegate")
     except PackageNotFoundError:

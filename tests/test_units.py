@@ -171,6 +171,30 @@ def test_gathered_attention_equals_dense_attention(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_kernel_answers_every_token_of_sequences_sharing_prefixes(dtype):
+    """The kernel takes tokens in the order of their first block (a shared prefix's sequences back
+    to back, the groups interleaved here as arrivals leave them); each token's output is still
+    its own sequence's."""
+    import copy
+
+    from backends.builtin.attention import AttentionMetadata, paged_attention
+
+    kv = filled_cache("auto", dtype, kv_heads=3)
+    groups = {3: [[7, 9], [7, 10], [8], [11, 12, 13], [14], [15]], 1: [[2], [5, 6]], 40: [[]]}
+    tables = [[first, *rest] for first, rests in groups.items() for rest in rests]
+    tables = tables[::2] + tables[1::2]  # the groups interleaved, as arrivals leave them
+    ctx = [16 * len(table) - 3 * (i % 5) for i, table in enumerate(tables)]
+    q, k, v = (torch.randn(len(tables), h, 64).to(dtype) for h in (9, 3, 3))
+    native, reference = (
+        paged_attention(q, k, v, copy.deepcopy(kv),
+                        AttentionMetadata.build([1] * len(tables), ctx, tables, 16, torch.device("cpu"), dtype,
+                                                use_kernel, False),
+                        64**-0.5).float()
+        for use_kernel in (True, False))
+    assert (native - reference).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [2, 4, 8, 12, 16])
 def test_native_decode_kernel_serves_every_head_grouping(dtype, heads):
     """1, 2, 4, 6 and 8 query heads per KV head: the kernel sums the values of up to four at once."""
