@@ -284,10 +284,15 @@ def test_compare_hands_each_system_its_own_server_flags(tmp_path):
                           ('builtin=--served-name "a', """'builtin=--served-name "a': No closing quotation""")]:
         result = CliRunner().invoke(app, [*workload, "--compare", "builtin,hf-static", "--system-args", spec])
         assert result.exit_code == 2 and problem in " ".join(result.output.replace("│", " ").split()), result.output
-    # A flag the server refuses stops the run with the server's own words, not a traceback.
-    result = CliRunner().invoke(app, [*workload, "--compare", "builtin", "--system-args", "builtin=--no-such-flag"])
+    # A flag the server refuses fails that system with the server's own words, not a traceback; the
+    # system measured before it keeps its figures, written out, and the run's exit status says 1.
+    result = CliRunner().invoke(app, [*workload, "--compare", "builtin-fp32,builtin", "--system-args",
+                                      "builtin=--no-such-flag", "--output", str(out)])
     assert result.exit_code == 1 and result.exception.__class__ is SystemExit, result.output
     assert "builtin did not start" in result.output and "No such option: --no-such-flag" in result.output
+    data = json.loads(out.read_text())
+    assert data["compare"]["builtin-fp32"]["completed"] == 2 and set(data["compare"]) == {"builtin-fp32"}
+    assert "No such option: --no-such-flag" in data["not_started"]["builtin"]
 
 
 def test_bench_drives_a_backend_in_process(tiny_model_dir, tmp_path):

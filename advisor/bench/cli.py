@@ -243,6 +243,7 @@ def bench(
             await the_target.close()
 
     results: dict[str, list[dict]] = {}
+    not_started: dict[str, str] = {}  # a system that does not start leaves the others' figures standing
     for name in names:
         try:
             with system_target(name, model, flags.get(name, ())) if name else contextlib.nullcontext(
@@ -251,10 +252,14 @@ def bench(
                 results[name or the_target.name] = asyncio.run(measure_all(the_target))
         except ServerNotReady as exc:
             console.print(f"error: {name} did not start: {exc}", style="red", markup=False, highlight=False)
-            raise typer.Exit(1) from None
+            not_started[name] = str(exc)
+    if not results:
+        raise typer.Exit(1)
     result = {"dataset": dataset, "num_prompts": num_prompts, "seed": seed, "goodput_slo_ms": slo}
     if flags:
         result["system_args"] = flags
+    if not_started:
+        result["not_started"] = not_started
     for name, runs in results.items():
         if len(rates) > 1:
             runs_knee = knee(runs, slo_attainment)
@@ -265,7 +270,7 @@ def bench(
     if compare:
         result["compare"] = results
         if len(rates) == 1:  # a sweep's figures are per rate: see the JSON and the plot
-            print_comparison(results, names)
+            print_comparison(results, [name for name in names if name in results])
     else:
         name, body = next(iter(results.items()))
         result.update(target=name, **body)
@@ -275,3 +280,5 @@ def bench(
     if plot:
         plot_sweep(results, plot)
         console.print(f"plot written to {plot}")
+    if not_started:
+        raise typer.Exit(1)
