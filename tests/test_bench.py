@@ -272,27 +272,31 @@ def test_compare_hands_each_system_its_own_server_flags(tmp_path):
     out = tmp_path / "flags.json"
     workload = ["bench", "--dataset", "random", "--num-prompts", "2", "--random-input-len", "16",
                 "--random-output-len", "4", "--num-warmups", "0"]
-    # The context cap of 8 tokens reaches the server: its 16-token prompts are refused, not served.
-    result = CliRunner().invoke(app, [*workload, "--compare", "builtin", "--system-args", "builtin=--max-model-len 8",
-                                      "--output", str(out)])
-    assert result.exit_code == 0, result.output
-    data = json.loads(out.read_text())
-    assert data["system_args"] == {"builtin": ["--max-model-len", "8"]}
-    assert data["compare"]["builtin"]["failed"] == 2 and data["compare"]["builtin"]["completed"] == 0
     for spec, problem in [("vllm=--block-size 32", "vllm not in --compare"), ("builtin", "is not NAME=FLAGS"),
                           ("hf-static=--x", "takes no server flags"),
                           ('builtin=--served-name "a', """'builtin=--served-name "a': No closing quotation""")]:
         result = CliRunner().invoke(app, [*workload, "--compare", "builtin,hf-static", "--system-args", spec])
         assert result.exit_code == 2 and problem in " ".join(result.output.replace("│", " ").split()), result.output
-    # A flag the server refuses fails that system with the server's own words, not a traceback; the
-    # system measured before it keeps its figures, written out, and the run's exit status says 1.
-    result = CliRunner().invoke(app, [*workload, "--compare", "builtin-fp32,builtin", "--system-args",
-                                      "builtin=--no-such-flag", "--output", str(out)])
+    for compare, problem in [("builtin,builtin", "builtin listed twice: label a second run, as builtin@LABEL"),
+                             ("nope@x", "unknown system 'nope'")]:
+        result = CliRunner().invoke(app, [*workload, "--compare", compare])
+        assert result.exit_code == 2 and problem in " ".join(result.output.replace("│", " ").split()), result.output
+    # One system twice under labels, each with its own flags: the context cap of 8 tokens reaches
+    # only its own server, whose 16-token prompts are refused, not served. A flag the server
+    # refuses fails that entry with the server's own words, not a traceback; the entries measured
+    # before it keep their figures, written out, and the run's exit status says 1.
+    result = CliRunner().invoke(app, [*workload, "--compare", "builtin@short,builtin,builtin@broken",
+                                      "--system-args", "builtin@short=--max-model-len 8",
+                                      "--system-args", "builtin@broken=--no-such-flag", "--output", str(out)])
     assert result.exit_code == 1 and result.exception.__class__ is SystemExit, result.output
-    assert "builtin did not start" in result.output and "No such option: --no-such-flag" in result.output
+    assert "builtin@broken did not start" in result.output and "No such option: --no-such-flag" in result.output
     data = json.loads(out.read_text())
-    assert data["compare"]["builtin-fp32"]["completed"] == 2 and set(data["compare"]) == {"builtin-fp32"}
-    assert "No such option: --no-such-flag" in data["not_started"]["builtin"]
+    assert data["system_args"] == {"builtin@short": ["--max-model-len", "8"], "builtin@broken": ["--no-such-flag"]}
+    assert set(data["compare"]) == {"builtin@short", "builtin"}
+    assert data["compare"]["builtin@short"]["failed"] == 2 and data["compare"]["builtin@short"]["completed"] == 0
+    assert data["compare"]["builtin"]["completed"] == 2 and data["compare"]["builtin"]["failed"] == 0
+    assert "No such option: --no-such-flag" in data["not_started"]["builtin@broken"]
+    assert "builtin@short / builtin" in result.output
 
 
 def test_bench_drives_a_backend_in_process(tiny_model_dir, tmp_path):

@@ -178,15 +178,21 @@ SYSTEMS = ("builtin", "builtin-bf16", "builtin-fp32", "builtin-int8", "hf-static
            "vllm", "vllm-fp32")
 
 
+def system_of(name: str) -> str:
+    """The system a `--compare` entry starts: `builtin@small` is `builtin` under a label of its own,
+    so that one system runs twice, each time with its own `--system-args`."""
+    return name.partition("@")[0]
+
+
 def system_flags(spec: str) -> tuple[str, list[str]]:
-    """`NAME=FLAGS` (`vllm=--block-size 32`) as (system, its extra server flags), shell-split; the
-    bench checks that NAME is one of the systems it compares."""
+    """`NAME=FLAGS` (`vllm=--block-size 32`) as (NAME, its extra server flags), shell-split; the
+    bench checks that NAME is one of the entries it compares."""
     import shlex
 
     name, sep, flags = spec.partition("=")
     if not sep:
         raise ValueError(f"{spec!r} is not NAME=FLAGS")
-    if name == "hf-static":
+    if system_of(name) == "hf-static":
         raise ValueError("hf-static runs in process: it takes no server flags")
     try:
         return name, shlex.split(flags)

@@ -18,7 +18,7 @@ from typer.core import TyperCommand
 from backends.launch import ServerNotReady
 
 from .arrivals import arrival_times
-from .baselines import SYSTEMS, system_flags, system_target
+from .baselines import SYSTEMS, system_flags, system_of, system_target
 from .datasets import (
     DATASETS,
     Conversation,
@@ -198,7 +198,8 @@ def bench(
                                                         "as meeting the SLO in a sweep.")] = 0.9,
     compare: Annotated[str | None, typer.Option(help="Systems to run the same workload against in turn, e.g. "
                                                       "builtin,hf-static,llama-cpp (they are started and stopped "
-                                                      "here).")] = None,
+                                                      "here); SYSTEM@LABEL runs one again, e.g. with other "
+                                                      "--system-args.")] = None,
     system_args: Annotated[list[str] | None, typer.Option(
         help="Extra server flags for a system of --compare, as NAME=FLAGS (e.g. 'vllm=--block-size 32'); "
              "repeatable.")] = None,
@@ -219,9 +220,12 @@ def bench(
     tok = load_tokenizer(tokenizer) if dataset != "trace" or trace else None
     names = compare.split(",") if compare else [None]
     for name in names:
-        if name is not None and name not in SYSTEMS:
-            raise typer.BadParameter(f"unknown system {name!r} (choose from {', '.join(SYSTEMS)})",
-                                     param_hint="--compare")
+        if name is not None and system_of(name) not in SYSTEMS:
+            raise typer.BadParameter(f"unknown system {system_of(name)!r} (choose from {', '.join(SYSTEMS)}; "
+                                     "SYSTEM@LABEL runs one again under a label)", param_hint="--compare")
+    if twice := sorted({name for name in names if names.count(name) > 1}):
+        raise typer.BadParameter(f"{', '.join(twice)} listed twice: label a second run, as {twice[0]}@LABEL",
+                                 param_hint="--compare")
     try:
         flags = dict(system_flags(spec) for spec in system_args or [])
     except ValueError as exc:
@@ -246,7 +250,7 @@ def bench(
     not_started: dict[str, str] = {}  # a system that does not start leaves the others' figures standing
     for name in names:
         try:
-            with system_target(name, model, flags.get(name, ())) if name else contextlib.nullcontext(
+            with system_target(system_of(name), model, flags.get(name, ())) if name else contextlib.nullcontext(
                     make_target(target, protocol, backend, model, api_key)) as the_target:
                 console.print(f"measuring {name or the_target.name}")
                 results[name or the_target.name] = asyncio.run(measure_all(the_target))
