@@ -86,6 +86,8 @@ def main() -> None:
                         help="time the steps beside a process that spins BUSY ms of every PERIOD ms")
     parser.add_argument("--profile", action="store_true", help="the top operators of one more step")
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
     tokens = args.prompts * args.length
     engine = LLMEngine(EngineConfig(dtype=args.dtype, max_num_batched_tokens=tokens))
     if args.chunks != "auto":
