@@ -274,7 +274,7 @@ def bench(
     if compare:
         result["compare"] = results
         if len(rates) == 1:  # a sweep's figures are per rate: see the JSON and the plot
-            print_comparison(results, [name for name in names if name in results])
+            print_comparison(results, list(results))  # in --compare's order, those measured
     else:
         name, body = next(iter(results.items()))
         result.update(target=name, **body)
