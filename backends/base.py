@@ -221,7 +221,7 @@ def text_only(messages: list[dict]) -> list[dict]:
 @functools.cache
 def servegate_version() -> str:
     """This install's version, read once: reading a distribution's metadata walks the import path
-    (0.4 ms), and capabilities, asked several times a request, carry it."""
+    (0.4 ms), and capabilities, asked once or more a request, carry it."""
     try:
         return version("servegate")
     except PackageNotFoundError:
