@@ -278,7 +278,7 @@ def test_compare_hands_each_system_its_own_server_flags(tmp_path):
         result = CliRunner().invoke(app, [*workload, "--compare", "builtin,hf-static", "--system-args", spec])
         assert result.exit_code == 2 and problem in " ".join(result.output.replace("│", " ").split()), result.output
     for compare, problem in [("builtin,builtin", "builtin listed twice: label a second run, as builtin@LABEL"),
-                             ("nope@x", "unknown system 'nope'")]:
+                             ("nope@x", "unknown system 'nope'"), ("builtin@", "'builtin@' has no label after @")]:
         result = CliRunner().invoke(app, [*workload, "--compare", compare])
         assert result.exit_code == 2 and problem in " ".join(result.output.replace("│", " ").split()), result.output
     # One system twice under labels, each with its own flags: the context cap of 8 tokens reaches

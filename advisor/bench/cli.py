@@ -223,6 +223,8 @@ def bench(
         if name is not None and system_of(name) not in SYSTEMS:
             raise typer.BadParameter(f"unknown system {system_of(name)!r} (choose from {', '.join(SYSTEMS)}; "
                                      "SYSTEM@LABEL runs one again under a label)", param_hint="--compare")
+        if name is not None and name.endswith("@"):
+            raise typer.BadParameter(f"{name!r} has no label after @ (SYSTEM@LABEL)", param_hint="--compare")
     if twice := sorted({name for name in names if names.count(name) > 1}):
         raise typer.BadParameter(f"{', '.join(twice)} listed twice: label a second run, as {twice[0]}@LABEL",
                                  param_hint="--compare")
