@@ -219,11 +219,11 @@ def bench(
                 gsp_output_len=gsp_output_len, multi_turn_turns=multi_turn_turns, trace=trace)
     tok = load_tokenizer(tokenizer) if dataset != "trace" or trace else None
     names = compare.split(",") if compare else [None]
-    for name in names:
-        if name is not None and system_of(name) not in SYSTEMS:
+    for name in names if compare else ():
+        if system_of(name) not in SYSTEMS:
             raise typer.BadParameter(f"unknown system {system_of(name)!r} (choose from {', '.join(SYSTEMS)}; "
                                      "SYSTEM@LABEL runs one again under a label)", param_hint="--compare")
-        if name is not None and name.endswith("@"):
+        if name.endswith("@"):
             raise typer.BadParameter(f"{name!r} has no label after @ (SYSTEM@LABEL)", param_hint="--compare")
     if twice := sorted({name for name in names if names.count(name) > 1}):
         raise typer.BadParameter(f"{', '.join(twice)} listed twice: label a second run, as {twice[0]}@LABEL",
