@@ -12,6 +12,7 @@ import abc
 import dataclasses
 import enum
 import functools
+import json
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -61,6 +62,9 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
+# The largest token count any runtime here takes (int32): larger ones, from a client or an upstream,
+# are refused or ignored before they reach quotas (Redis' Lua numbers), the ledger or a runtime.
+MAX_TOKENS = 2**31 - 1
 NANO_USD_PER_USD = 10**9  # money is counted in whole nano-dollars: exact, and a token at $0.001/M is 1
 
 
@@ -218,6 +222,57 @@ def text_only(messages: list[dict]) -> list[dict]:
     return plain
 
 
+# What a prompt may hold beyond its text, for `prompt_upper_bound`.
+SPECIAL_TOKENS = 16  # tokens a tokenizer adds around a text (BOS, EOS)
+PER_MESSAGE = 16  # a chat message's role header and separators
+TEMPLATE_TOKENS = 512  # a chat template's own text: a default system prompt, dates, a tools preamble
+MEDIA_TOKENS = 4096  # an image, audio or file part: the placeholder tokens a runtime expands it to
+# Request fields a chat template renders into the prompt (vLLM's and llama-server's chat routes).
+TEMPLATED_FIELDS = ("tools", "functions", "documents", "chat_template_kwargs", "tool_choice")
+
+
+def prompt_text_bytes(request: GenerateRequest) -> int:
+    """The UTF-8 bytes of the prompt's text (a prompt, or the messages' text content): cheap, and
+    what a lower bound of its tokens divides by the longest token."""
+    if request.prompt is not None:
+        return len(request.prompt.encode())
+    if request.messages is None:
+        return 0
+    size = 0
+    for message in request.messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            size += len(content.encode())
+        elif isinstance(content, list):
+            size += sum(len(part["text"].encode()) for part in content
+                        if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return size
+
+
+def prompt_upper_bound(request: GenerateRequest) -> int:
+    """At least as many tokens as any runtime makes of this request's prompt, without its
+    tokenizer: a byte-level tokenizer never emits more tokens than UTF-8 bytes; whatever a chat
+    template renders besides the text (every other field of a message: tool calls and their ids,
+    names; tools, documents, `chat_template_kwargs`) counts by its JSON bytes twice over (templates
+    may indent it), media parts by `MEDIA_TOKENS` each, plus margins for special tokens and the
+    template's own text."""
+    if request.prompt_token_ids is not None:
+        return len(request.prompt_token_ids)
+    bound = prompt_text_bytes(request) + SPECIAL_TOKENS
+    if request.messages is None:
+        return bound
+    rendered: list = [request.extra[name] for name in TEMPLATED_FIELDS if request.extra.get(name)]
+    for message in request.messages:
+        bound += PER_MESSAGE
+        rendered.append({key: value for key, value in message.items() if key != "content"})
+        content = message.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if not (isinstance(part, dict) and isinstance(part.get("text"), str)):
+                    bound += MEDIA_TOKENS
+    return bound + TEMPLATE_TOKENS + 2 * len(json.dumps(rendered, ensure_ascii=False).encode())
+
+
 @functools.cache
 def servegate_version() -> str:
     """This install's version, read once: reading a distribution's metadata walks the import path
@@ -270,14 +325,15 @@ class Backend(abc.ABC):
     async def load(self) -> Load: ...
 
     async def count_prompt_tokens(self, request: GenerateRequest) -> int:
-        """Prompt tokens, for quota reservations: exact where a backend can count them cheaply,
-        else this upper bound: a byte-level tokenizer never emits more tokens than UTF-8 bytes,
-        plus a margin per chat message for the template's special tokens."""
-        if request.prompt_token_ids is not None:
-            return len(request.prompt_token_ids)
-        if request.prompt is not None:
-            return len(request.prompt.encode())
-        return sum(len(str(m.get("content") or "").encode()) + 16 for m in request.messages) + 16
+        """Prompt tokens, for quota reservations and for billing where the runtime does not say:
+        exact where a backend tokenizes itself, else `prompt_upper_bound`."""
+        return prompt_upper_bound(request)
+
+    def min_prompt_tokens(self, request: GenerateRequest) -> int:
+        """A cheap lower bound of the prompt's tokens, known before counting them (which may cost
+        time): a request whose bound already passes the context or a quota is refused without the
+        count. 0 where the runtime's tokenizer is not known here."""
+        return len(request.prompt_token_ids) if request.prompt_token_ids is not None else 0
 
     async def exact_prompt_tokens(self, request: GenerateRequest) -> int | None:
         """The prompt's tokens as the runtime itself counts them (its tokenizer, chat template and

@@ -434,5 +434,5 @@ class LlamaCppBackend(Backend):
         return len(llama.tokenize(rendered.prompt.encode(), add_bos=not rendered.added_special, special=True))
 
     async def count_prompt_tokens(self, request: GenerateRequest) -> int:
-        count = self._prompt_tokens(request) if self._slots else None
+        count = await asyncio.to_thread(self._prompt_tokens, request) if self._slots else None
         return count if count is not None else await super().count_prompt_tokens(request)

@@ -28,9 +28,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from backends.base import (
+    MAX_TOKENS,
     Backend,
     BackendError,
     BackendTimeout,
+    ContextTooLong,
     Delta,
     Event,
     Finish,
@@ -38,13 +40,14 @@ from backends.base import (
     Price,
     UpstreamError,
     Usage,
+    prompt_text_bytes,
 )
 from backends.timing import StreamTimer
 
 from .auth import Principal
 from .errors import GatewayError
 from .models import dollars, utcnow
-from .quotas import LIMIT_NAMES, QuotaExceeded, QuotaStore, Reservation
+from .quotas import LIMIT_NAMES, QuotaExceeded, QuotaStore, QuotaStoreDown, Reservation
 from .routing import Decision, ModelRouter
 from .settings import Settings
 from .telemetry import GatewayMetrics
@@ -53,6 +56,7 @@ from .tracing import OFF, RequestTrace, ended, first_token
 log = logging.getLogger("servegate.requests")
 UNKNOWN_CONTEXT = 131_072  # tokens; settled back to actual use when the request ends
 BYTES_PER_TOKEN = 4  # text without token ids, when nobody can tokenize it: English BPE averages ~4
+PRECHECK_BYTES = 64 * 1024  # a prompt this large is checked against quotas before it is counted
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,7 @@ class Outcome:
     decision: Decision
     api: str
     stream: bool
-    status: str  # ok | error | cancelled
+    status: str  # ok | error | cancelled | interrupted (its process died: billed at its last checkpoint)
     error: str | None
     usage: Usage
     backend: str  # the target that answered or failed last; "" if none was reached
@@ -149,7 +153,8 @@ class Call:
         self.env, self.principal, self.decision, self.greq = env, principal, decision, greq
         self.api, self.stream, self.billed, self.keep_text, self.trace = api, stream, billed, keep_text, trace
         self.started, self.started_at = time.monotonic(), utcnow()
-        self.prompt_tokens = 0
+        self.prompt_tokens = 0  # the gateway's own count: exact, or an upper bound
+        self.completion_bound = MAX_TOKENS  # the most completion tokens the request may bill
         self.reservation: Reservation | None = None
         self.price: Price | None = None
         self.backend: Backend | None = None
@@ -183,34 +188,34 @@ class Call:
         if cap is not None and max_tokens is None:
             self.greq = dataclasses.replace(self.greq, max_tokens=cap)
         backend = self.decision.candidates[0]
-        self.prompt_tokens = await backend.count_prompt_tokens(self.greq)
-        if self.greq.max_tokens is not None:
-            completion = self.greq.max_tokens
-        else:  # no cap asked: reserve what the context leaves (a generous bound when it is unknown)
-            context = (await backend.capabilities()).max_context or UNKNOWN_CONTEXT
-            completion = max(context - self.prompt_tokens, 1)
-        tokens = self.prompt_tokens + completion * self.greq.n
+        context = (await backend.capabilities()).max_context
+        scopes, n = self.principal.quota_scopes(), self.greq.n
         self.price = price = await self._price(backend)
-        cost = price.cost(self.prompt_tokens, completion * self.greq.n) if price else 0
+        at_least = backend.min_prompt_tokens(self.greq)
+        if context and at_least > context:
+            raise ContextTooLong(f"This prompt holds at least {at_least} tokens, more than the model's context of "
+                                 f"{context} tokens.", param="messages" if self.greq.messages else "prompt")
+        tokens, cost = at_least + (self.greq.max_tokens or 1) * n, 0
         try:
-            self.reservation = await self.env.quotas.reserve(self.principal.quota_scopes(), tokens, cost)
+            if prompt_text_bytes(self.greq) > PRECHECK_BYTES:  # refused before the count, where counting takes time
+                cost = price.cost(at_least, (self.greq.max_tokens or 1) * n) if price else 0
+                await self.env.quotas.check(scopes, tokens, cost)
+            self.prompt_tokens = min(await backend.count_prompt_tokens(self.greq), context or MAX_TOKENS)
+            if self.greq.max_tokens is not None:
+                completion = self.greq.max_tokens
+            else:  # no cap asked: reserve what the context leaves (a generous bound when it is unknown)
+                completion = max((context or UNKNOWN_CONTEXT) - self.prompt_tokens, 1)
+            self.completion_bound = completion * n
+            tokens = self.prompt_tokens + self.completion_bound
+            cost = price.cost(self.prompt_tokens, self.completion_bound) if price else 0
+            self.reservation = await self.env.quotas.reserve(scopes, tokens, cost)
         except QuotaExceeded as exc:
             self.env.metrics.quota_rejections.labels(self.principal.tenant.name, exc.limit).inc()
-            if exc.budget and cost > exc.value:
-                raise GatewayError(400, f"This request could cost up to {dollars(cost)} (prompt + max_tokens), more "
-                                   f"than {exc.scope}'s {LIMIT_NAMES[exc.limit]} of {dollars(exc.value)}; lower "
-                                   "max_tokens.", "invalid_request_error", code="budget_exceeded",
-                                   param="max_tokens") from None
-            if exc.budget:  # OpenAI's words for a spent balance
-                raise GatewayError(429, exc.message, "insufficient_quota", code="insufficient_quota",
-                                   headers={"Retry-After": str(int(exc.retry_after))}) from None
-            if exc.limit in ("tpm", "tokens_per_day") and tokens > exc.value:
-                raise GatewayError(400, f"This request reserves {tokens} tokens (prompt + max_tokens), more than "
-                                   f"{exc.scope}'s limit of {exc.value} {exc.limit}; lower max_tokens.",
-                                   "invalid_request_error", code="rate_limit_exceeded", param="max_tokens") from None
-            kind = "tokens" if exc.limit in ("tpm", "tokens_per_day") else "requests"
-            raise GatewayError(429, exc.message, kind, code="rate_limit_exceeded",
-                               headers={"Retry-After": str(int(exc.retry_after))}) from None
+            raise refusal(exc, tokens, cost) from None
+        except QuotaStoreDown as exc:
+            raise GatewayError(503, f"{exc}; quotas cannot be checked, and this gateway refuses requests meanwhile "
+                               "(SERVEGATE_QUOTA_REDIS_DOWN=closed).", "service_unavailable",
+                               code="quota_store_unavailable", headers={"Retry-After": "1"}) from None
 
     async def _price(self, backend: Backend) -> Price | None:
         """The configured price of the model asked for, else the backend's list price."""
@@ -325,16 +330,25 @@ class Call:
             await events.aclose()
 
     # -- after ------------------------------------------------------------------------------
+    def checkpoint(self) -> Outcome | None:
+        """What the request has used so far, billed as `interrupted` should this process die before
+        it ends; None while it holds no reservation, or once it has ended."""
+        if self.reservation is None or self.outcome is not None:
+            return None
+        return self._outcome("interrupted", "process_died", None)
+
     def _outcome(self, status: str, error: str | None, reported: Usage | None) -> Outcome:
         received, recount = self.received, None
         if reported is not None:  # the backend's own count where it says more than the client got
-            prompt = _count(reported.prompt_tokens) or self.prompt_tokens
-            completion = _count(reported.completion_tokens)
-            if self.greq.max_tokens is not None:  # and no more than it may generate
-                completion = min(completion, self.greq.max_tokens * self.greq.n)
+            counted = self.prompt_tokens if self.billed else MAX_TOKENS  # an unbilled call counted nothing
+            prompt = self._reported("prompt_tokens", reported.prompt_tokens, counted) or self.prompt_tokens
+            completion = self._reported("completion_tokens", reported.completion_tokens, self.completion_bound)
+            if completion is None:
+                completion = received.estimate()
             # never more cached than the prompt held: cached tokens priced below input ones would bill less than nothing
-            usage = Usage(prompt, max(completion, received.floor), min(_count(reported.cached_tokens), prompt))
-        elif not self.answered and (status == "error" or not self.tried):
+            cached = self._reported("cached_tokens", reported.cached_tokens, prompt) or 0
+            usage = Usage(prompt, max(completion, received.floor), cached)
+        elif not self.answered and (status in ("error", "interrupted") or not self.tried):
             usage = Usage(0, 0)  # refused or failed before any answer, or gone before reaching a backend
         else:
             usage = Usage(self.prompt_tokens, received.estimate())
@@ -348,6 +362,33 @@ class Call:
             reservation=self.reservation, price=self.price, text="".join(self.text), recount=recount)
 
 
-def _count(reported: object) -> int:
-    """A token count as a backend reported it, or 0 where it is not a whole number >= 0."""
-    return reported if isinstance(reported, int) and not isinstance(reported, bool) and reported >= 0 else 0
+    def _reported(self, field: str, value: object, bound: int) -> int | None:
+        """A token count as the backend reported it, if it is a whole number in [0, bound] (`bound`:
+        what the request could use, by the gateway's own count). A count out of range is logged with
+        the backend's name and gives None: the gateway's own count is billed instead."""
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= bound:
+            return value
+        if value is not None:
+            log.warning("backend %s reported usage.%s = %.40r, outside [0, %d]; billed the gateway's own count",
+                        self.backend.name if self.backend else "?", field, value, bound,
+                        extra={"request_id": self.greq.request_id})
+        return None
+
+
+def refusal(exc: QuotaExceeded, tokens: int, cost: int) -> GatewayError:
+    """A quota's refusal of a request that would reserve `tokens` and `cost`, in OpenAI's words: a
+    request larger than the limit itself is the client's to change (400), else a 429 to retry."""
+    if exc.budget and cost > exc.value:
+        return GatewayError(400, f"This request could cost up to {dollars(cost)} (prompt + max_tokens), more "
+                            f"than {exc.scope}'s {LIMIT_NAMES[exc.limit]} of {dollars(exc.value)}; lower "
+                            "max_tokens.", "invalid_request_error", code="budget_exceeded", param="max_tokens")
+    if exc.budget:  # OpenAI's words for a spent balance
+        return GatewayError(429, exc.message, "insufficient_quota", code="insufficient_quota",
+                            headers={"Retry-After": str(int(exc.retry_after))})
+    if exc.limit in ("tpm", "tokens_per_day") and tokens > exc.value:
+        return GatewayError(400, f"This request reserves {tokens} tokens (prompt + max_tokens), more than "
+                            f"{exc.scope}'s limit of {exc.value} {exc.limit}; lower max_tokens.",
+                            "invalid_request_error", code="rate_limit_exceeded", param="max_tokens")
+    kind = "tokens" if exc.limit in ("tpm", "tokens_per_day") else "requests"
+    return GatewayError(429, exc.message, kind, code="rate_limit_exceeded",
+                        headers={"Retry-After": str(int(exc.retry_after))})

@@ -1,4 +1,5 @@
-"""The usage ledger: one record per request, never lost once its response has completed.
+"""The usage ledger: one record per request, never lost once its response has completed, and
+never stopped by one record.
 
 `record()` appends a JSON line to this process's spool file before the last byte of the
 response is sent; a background writer moves the spool into the database in batches. Inserts
@@ -7,6 +8,15 @@ A process killed with SIGKILL leaves its spool behind, locked by nobody; the nex
 process (any replica sharing the spool directory) takes it over and ingests it. `write()`
 reaches the kernel at once, which survives the death of the process; the writer's `fsync`
 each flush bounds what a power loss could take to one flush interval.
+
+Streams still open are checkpointed beside the spool (`checkpoint()`: one small file rewritten
+whole, atomically): whoever takes over a dead process's spool bills each open stream what it
+had delivered at the last checkpoint, as an `interrupted` record, unless its final record made it.
+
+A record the database refuses for what it holds (a number out of range, a field too long), or
+that does not parse, is quarantined: appended to `quarantine.jsonl` in the spool directory with
+the reason, logged and counted, and the records after it flow on. A database that cannot be
+reached is no record's fault: the batch waits in the spool for the next flush.
 """
 
 from __future__ import annotations
@@ -15,20 +25,44 @@ import asyncio
 import fcntl
 import json
 import logging
+import math
 import os
 import threading
 import uuid
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, func, select
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import InterfaceError, OperationalError
+
+from backends.base import MAX_TOKENS
 
 from .models import UsageRecord
+from .quotas import DAY, MINUTE, Spent, month_of
 
 log = logging.getLogger("servegate.ledger")
 ROTATE_BYTES = 1 << 20
 DATETIME_FIELDS = ("started_at", "finished_at")
+TOKEN_FIELDS = ("prompt_tokens", "completion_tokens", "cached_tokens")
+MAX_COST = 2**63 - 1  # nano-dollars: the column is a BIGINT
+QUARANTINE = "quarantine.jsonl"
+# The database is unreachable or busy: no record's fault, the batch waits for the next flush.
+UNREACHABLE = (OperationalError, InterfaceError)
+
+
+class Refused(ValueError):
+    """A record the ledger will not store, and why."""
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """What a dead process left: records ingested, and the streams it had open, billed as
+    `interrupted` at their last checkpoint (each with what it had reserved, to be settled)."""
+
+    records: int
+    interrupted: list[dict]
 
 
 class UsageLedger:
@@ -41,13 +75,24 @@ class UsageLedger:
         fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # marks the spool as owned by a live process
         self.offset = 0  # bytes of the spool already in the database
         self.lock = threading.Lock()
+        self.quarantined = 0  # records refused since this process started
         self._closed = False
 
     def record(self, fields: dict) -> None:
         """Append one usage record; returns once the kernel holds it."""
-        line = json.dumps(fields, default=_jsonable, separators=(",", ":")).encode() + b"\n"
+        line = _line(fields)
         with self.lock:
             os.write(self.fd, line)
+
+    def checkpoint(self, open_streams: list[dict]) -> None:
+        """What each open stream has delivered so far, replacing the last checkpoint whole."""
+        path = _open_path(self.path)
+        if not open_streams:
+            path.unlink(missing_ok=True)
+            return
+        partial = path.with_suffix(".tmp")
+        partial.write_bytes(b"".join(_line(fields) for fields in open_streams))
+        partial.replace(path)  # atomic: a reader sees the old checkpoint or the new one
 
     # -- the writer -----------------------------------------------------------------------
     def flush(self) -> int:
@@ -59,16 +104,44 @@ class UsageLedger:
         os.fsync(self.fd)
         data = os.pread(self.fd, size - self.offset, self.offset)
         complete = data[: data.rfind(b"\n") + 1]
-        records = _parse(complete)
-        self.insert(records)
+        written = self.store(complete.splitlines(), torn_ok=False)
         self.offset += len(complete)
         with self.lock:  # start the spool afresh once it is all in the database
             if self.offset >= ROTATE_BYTES and os.fstat(self.fd).st_size == self.offset:
                 os.ftruncate(self.fd, 0)
                 self.offset = 0
-        return len(records)
+        return written
 
-    def insert(self, records: list[dict]) -> None:
+    def store(self, lines: list[bytes], *, torn_ok: bool = True) -> int:
+        """Insert the records these spool lines hold, quarantining those refused; returns how many
+        were stored. Raises only where the database cannot be reached. `torn_ok`: a line that is
+        not JSON is a write torn by a crash (its response never completed), skipped silently."""
+        records = []
+        for line in lines:
+            try:
+                records.append(parse(line))
+            except Refused as refused:
+                if not (torn_ok and refused.args[0].startswith("not JSON")):
+                    self.quarantine(line, str(refused))
+        try:
+            self._insert(records)
+            return len(records)
+        except UNREACHABLE:
+            raise
+        except Exception:  # one of them is refused: find it, and let the others in
+            stored = 0
+            for record in records:
+                try:
+                    self._insert([record])
+                    stored += 1
+                except UNREACHABLE:
+                    raise
+                except Exception as exc:
+                    self.quarantine(_line(record), f"the database refused it: {type(exc).__name__}: "
+                                                   f"{str(exc).splitlines()[0][:300]}")
+            return stored
+
+    def _insert(self, records: list[dict]) -> None:
         if not records:
             return
         dialect = self.engine.dialect.name
@@ -77,9 +150,23 @@ class UsageLedger:
         with self.engine.begin() as connection:
             connection.execute(statement, records)
 
-    def recover_orphans(self) -> int:
-        """Ingest and delete the spools of gateway processes that are gone."""
-        recovered = 0
+    def quarantine(self, line: bytes, reason: str) -> None:
+        """Keep a refused record aside, with why, for an operator to look at."""
+        try:
+            request_id = json.loads(line).get("request_id")
+        except (ValueError, AttributeError):
+            request_id = None
+        entry = json.dumps({"reason": reason, "at": datetime.now(UTC).isoformat(),
+                            "line": line.decode(errors="replace").rstrip("\n")}) + "\n"
+        with open(self.spool_dir / QUARANTINE, "a", encoding="utf-8") as kept:
+            kept.write(entry)
+        self.quarantined += 1
+        log.error("usage record quarantined: %s", reason, extra={"request_id": str(request_id)[:64]})
+
+    def recover_orphans(self) -> Recovered:
+        """Ingest and delete the spools of gateway processes that are gone, and bill the streams
+        they had open at their last checkpoint."""
+        recovered, interrupted = 0, []
         for path in sorted(self.spool_dir.glob("usage-*.jsonl")):
             if path == self.path:
                 continue
@@ -93,24 +180,28 @@ class UsageLedger:
                 os.close(fd)
                 continue
             try:
-                records = _parse(path.read_bytes())
-                self.insert(records)
-                recovered += len(records)
+                recovered += self.store(path.read_bytes().splitlines())
+                checkpoint = _open_path(path)
+                if checkpoint.exists():  # after the final records: those of streams that did finish win
+                    lines = checkpoint.read_bytes().splitlines()
+                    self.store(lines)
+                    interrupted += [json.loads(line) for line in lines if _valid(line)]
+                    checkpoint.unlink()
                 path.unlink()
             finally:
                 os.close(fd)
-        if recovered:
-            log.info("recovered %d usage records from spools of stopped gateway processes", recovered)
-        return recovered
+        if recovered or interrupted:
+            log.info("recovered %d usage records and %d interrupted streams from spools of stopped gateway "
+                     "processes", recovered, len(interrupted))
+        return Recovered(recovered, interrupted)
 
     async def run(self) -> None:
-        await asyncio.to_thread(self.recover_orphans)
         while True:
             await asyncio.sleep(self.flush_s)
             try:
                 await asyncio.to_thread(self.flush)
-            except Exception as exc:  # the spool keeps the records; the next flush retries
-                log.warning("usage flush failed, will retry: %s", exc)
+            except UNREACHABLE as exc:  # the spool keeps the records; the next flush retries
+                log.warning("usage flush failed, will retry: %s", str(exc).splitlines()[0])
 
     def close(self) -> None:
         """Flush what can be flushed and remove the spool if the database has it all."""
@@ -119,11 +210,47 @@ class UsageLedger:
         self._closed = True
         try:
             self.flush()
+            _open_path(self.path).unlink(missing_ok=True)  # every stream has ended, its final record written
             if os.fstat(self.fd).st_size == self.offset:
                 self.path.unlink()
         except Exception as exc:
             log.warning("usage spool %s kept for the next start: %s", self.path, exc)
         os.close(self.fd)
+
+
+def spent(engine: Engine, now: float) -> list[Spent]:
+    """What each tenant and key used in the current windows (`quotas.COUNTERS`: this minute's
+    requests and tokens, today's tokens and cost, this month's cost), by the ledger: sums in the
+    database, a query per window and scope kind."""
+    moment = datetime.fromtimestamp(now, UTC)
+    minute, day, month = int(now // MINUTE), int(now // DAY), month_of(now)
+    tokens = UsageRecord.prompt_tokens + UsageRecord.completion_tokens
+    cost = func.sum(UsageRecord.cost_nano_usd)
+    windows = (  # since, then (counter key, window, the sum) for each counter of that window
+        (datetime.fromtimestamp(minute * MINUTE, UTC), (("rpm", minute, func.count()),
+                                                         ("tpm", minute, func.sum(tokens)))),
+        (datetime.fromtimestamp(day * DAY, UTC), (("tpd", day, func.sum(tokens)), ("usd-day", day, cost))),
+        (datetime(moment.year, moment.month, 1, tzinfo=UTC), (("usd-month", month, cost),)),
+    )
+    found = []
+    with engine.connect() as connection:
+        for since, counters in windows:
+            for kind, column in (("tenant", UsageRecord.tenant), ("key", UsageRecord.key_prefix)):
+                query = select(column, *(total for _, _, total in counters)).where(
+                    UsageRecord.started_at >= since, column.is_not(None)).group_by(column)
+                for name, *totals in connection.execute(query):
+                    found += [Spent(f"{kind}:{name}", key, window, int(total or 0))
+                              for (key, window, _), total in zip(counters, totals)]
+    return found
+
+
+def _open_path(spool: Path) -> Path:
+    """Where a spool's open streams are checkpointed."""
+    return spool.with_suffix(".open")
+
+
+def _line(fields: dict) -> bytes:
+    return json.dumps(fields, default=_jsonable, separators=(",", ":")).encode() + b"\n"
 
 
 def _jsonable(value):
@@ -132,14 +259,41 @@ def _jsonable(value):
     raise TypeError(f"cannot serialize {type(value).__name__}")
 
 
-def _parse(data: bytes) -> list[dict]:
-    records = []
-    for line in data.splitlines():
+def _valid(line: bytes) -> bool:
+    try:
+        parse(line)
+        return True
+    except Refused:
+        return False
+
+
+def parse(line: bytes) -> dict:
+    """One spool line as a database row, every figure checked against its column; raises
+    `Refused` naming what is wrong. Lines of every earlier version parse (fields they lack take
+    the column's default; fields the table no longer has are dropped)."""
+    try:
+        record = json.loads(line)
+    except ValueError as exc:
+        raise Refused(f"not JSON: {exc}") from None
+    if not isinstance(record, dict) or not isinstance(record.get("request_id"), str):
+        raise Refused("not a usage record (no request_id)")
+    row = {name: record[name] for name in UsageRecord.model_fields if name in record}
+    for name in TOKEN_FIELDS:
+        _whole(row, name, MAX_TOKENS)
+    _whole(row, "cost_nano_usd", MAX_COST)
+    for name in ("ttft_ms", "latency_ms"):
+        value = row.get(name)
+        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise Refused(f"{name} = {value!r} is not a duration")
+    for name in DATETIME_FIELDS:
         try:
-            record = json.loads(line)
-        except ValueError:  # a line torn by a crash mid-write: its response never completed
-            continue
-        for name in DATETIME_FIELDS:
-            record[name] = datetime.fromisoformat(record[name]).astimezone(UTC)
-        records.append(record)
-    return records
+            row[name] = datetime.fromisoformat(row[name]).astimezone(UTC)
+        except (KeyError, TypeError, ValueError, OverflowError):
+            raise Refused(f"{name} = {row.get(name)!r} is not a date") from None
+    return row
+
+
+def _whole(row: dict, name: str, most: int) -> None:
+    value = row.get(name, 0)
+    if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= most):
+        raise Refused(f"{name} = {str(value)[:40]} is outside [0, {most}]")

@@ -11,19 +11,21 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import time
+from collections.abc import Callable, Coroutine
 
 from sqlalchemy import Engine
 
 from backends.base import NANO_USD_PER_USD, Backend, GenerateRequest, Health
 from policies.rollout import ROLLOUT, load_rollout
 
-from . import budgets, shadow
+from . import budgets, ledger, shadow
 from .admission import Admission
 from .auth import Directory, Principal
 from .calls import Call, CallEnv, Outcome
 from .canary import CanaryGuard
 from .ledger import UsageLedger
-from .quotas import MemoryQuotaStore, QuotaStore, RedisQuotaStore
+from .quotas import MemoryQuotaStore, QuotaStore, RedisQuotaStore, Reservation, Spent
 from .routing import Breaker, Decision, ModelRouter, RequestFacts
 from .settings import Settings
 from .telemetry import GatewayMetrics
@@ -32,6 +34,7 @@ from .tracing import OFF, RequestTrace, decided
 log = logging.getLogger("servegate.gateway")
 requests_log = logging.getLogger("servegate.requests")
 RECOUNT_TIMEOUT_S = 5.0
+RESTART_S = (0.5, 30.0)  # a background task that died waits this long before its restart, doubling
 
 
 class Gateway:
@@ -44,20 +47,31 @@ class Gateway:
         self.router = ModelRouter(backends, settings.route_seed,
                                   Breaker(settings.breaker_failures, settings.breaker_cooldown_s), admission)
         self.directory = Directory(db, settings)
-        self.quotas: QuotaStore = RedisQuotaStore(settings.redis_url) if settings.redis_url else MemoryQuotaStore()
+        self.quotas: QuotaStore = RedisQuotaStore(
+            settings.redis_url, settings.quota_lease_s, history=self._spent, fail=settings.quota_redis_down,
+        ) if settings.redis_url else MemoryQuotaStore()
         self.ledger = UsageLedger(db, settings.spool_dir, settings.usage_flush_s)
         self.metrics = GatewayMetrics()
         self.metrics.saturation.set_function(lambda: max((a.saturation for a in admission.values()), default=0.0))
+        self.metrics.quarantined.set_function(lambda: self.ledger.quarantined)
         self.env = CallEnv(self.router, self.quotas, self.metrics, settings)
         self._tasks: set[asyncio.Task] = set()
         self._shadows: dict[str, asyncio.Task] = {}  # request id -> its mirrored call, until the primary ends
+        self._open: dict[str, Call] = {}  # billed calls not yet settled, checkpointed while they run
+        self.down: dict[str, str] = {}  # background tasks that died and wait for their restart -> why
         self.canary = CanaryGuard(self.router, db, self.metrics, load_rollout(settings.rollout_policy or ROLLOUT))
 
     async def start(self) -> None:
         await asyncio.to_thread(self.directory.load)  # the first read must succeed: no keys, no service
         self.load_routes()
+        await self._recover()  # what stopped processes used is in the ledger before windows are rebuilt from it
+        if isinstance(self.quotas, MemoryQuotaStore):
+            self.quotas.seed(await self._spent())
         self.spawn(self.directory.run())
-        self.spawn(self.ledger.run())
+        self.supervise("usage ledger writer", self.ledger.run)
+        self.supervise("usage checkpoints", self._checkpoints)
+        self.supervise("spool recovery", self._recoveries)
+        self.supervise("quota leases", self.quotas.run)
         self.spawn(self._refresh_routes())
         self.spawn(self._poll_loads())
         self.spawn(self.canary.run())
@@ -76,6 +90,57 @@ class Gateway:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    def supervise(self, name: str, run: Callable[[], Coroutine]) -> None:
+        """Run a background loop for the gateway's life: one that dies is logged, named in `down`
+        (which turns /ready unready) and started again after a growing pause."""
+
+        async def supervised() -> None:
+            pause = RESTART_S[0]
+            while True:
+                try:
+                    await run()
+                    return
+                except Exception as exc:
+                    self.down[name] = f"{type(exc).__name__}: {exc}"
+                    log.exception("%s died; restarting it in %.1f s", name, pause)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, RESTART_S[1])
+                self.down.pop(name, None)
+
+        self.spawn(supervised())
+
+    # -- usage that outlives a process --------------------------------------------------------
+    async def _spent(self) -> list[Spent]:
+        """The ledger's totals for the quota windows now open."""
+        return await asyncio.to_thread(ledger.spent, self.db, time.time())
+
+    async def _recover(self) -> None:
+        """Ingest the spools of stopped processes; the streams they had open are billed what they
+        had delivered at their last checkpoint, and their reservations settle to it."""
+        recovered = await asyncio.to_thread(self.ledger.recover_orphans)
+        for record in recovered.interrupted:
+            if record.get("reservation"):
+                self.spawn(self.quotas.release(Reservation.of(record["reservation"]),
+                                               record["prompt_tokens"] + record["completion_tokens"],
+                                               record["cost_nano_usd"]))
+
+    async def _recoveries(self) -> None:
+        """Other replicas sharing the spool directory may die while this one runs."""
+        while True:
+            await asyncio.sleep(self.settings.recover_s)
+            await self._recover()
+
+    async def _checkpoints(self) -> None:
+        """What each open stream has delivered, written beside the spool every `checkpoint_s`."""
+        written = False
+        while True:
+            await asyncio.sleep(self.settings.checkpoint_s)
+            rows = [self._row(outcome) | {"reservation": outcome.reservation.as_dict()}
+                    for outcome in (call.checkpoint() for call in list(self._open.values())) if outcome is not None]
+            if rows or written:
+                await asyncio.to_thread(self.ledger.checkpoint, rows)
+                written = bool(rows)
 
     def visible_models(self, principal: Principal) -> list[str]:
         return [m for m in self.router.models() if principal.may_use(m)]
@@ -101,12 +166,15 @@ class Gateway:
                             dataclasses.replace(greq, request_id=f"{greq.request_id}-shadow"), api, stream,
                             billed=False, keep_text=True)
             self._shadows[greq.request_id] = self.spawn(_drained(mirrored))
-        return Call(self.env, principal, decision, greq, api, stream, keep_text=decision.shadow is not None,
+        call = Call(self.env, principal, decision, greq, api, stream, keep_text=decision.shadow is not None,
                     trace=trace)
+        self._open[greq.request_id] = call
+        return call
 
     def settle(self, call: Call) -> None:
         """A call's end: its outcome handed on. A call refused before it reached a backend (quota,
         limits) has none; only its shadow is dropped."""
+        self._open.pop(call.greq.request_id, None)
         if call.outcome is None:
             mirrored = self._shadows.pop(call.greq.request_id, None)
             if mirrored is not None:
@@ -125,15 +193,7 @@ class Gateway:
             self.spawn(self._settle_recounted(outcome))
             return
         tenant, model, usage = outcome.principal.tenant.name, outcome.decision.model, outcome.usage
-        record = {
-            "request_id": outcome.request_id, "tenant": tenant, "key_prefix": outcome.principal.key_prefix,
-            "model": model, "backend": outcome.backend, "route": _route_label(outcome.decision), "api": outcome.api,
-            "stream": outcome.stream, "prompt_tokens": usage.prompt_tokens,
-            "completion_tokens": usage.completion_tokens, "cached_tokens": usage.cached_tokens,
-            "cost_nano_usd": outcome.cost, "ttft_ms": outcome.ttft_ms, "latency_ms": outcome.latency_ms,
-            "status": outcome.status, "error_type": outcome.error, "started_at": outcome.started_at,
-            "finished_at": outcome.finished_at,
-        }
+        record = self._row(outcome)
         self.ledger.record(record)
         if outcome.reservation is not None:
             self.spawn(self._settle_quotas(outcome))
@@ -158,6 +218,20 @@ class Gateway:
         if self.settings.log_prompts:
             extra["prompt"] = outcome.request.prompt or outcome.request.messages
         requests_log.info("request finished", extra=extra)
+
+    @staticmethod
+    def _row(outcome: Outcome) -> dict:
+        """An outcome as the ledger keeps it."""
+        usage = outcome.usage
+        return {
+            "request_id": outcome.request_id, "tenant": outcome.principal.tenant.name,
+            "key_prefix": outcome.principal.key_prefix, "model": outcome.decision.model, "backend": outcome.backend,
+            "route": _route_label(outcome.decision), "api": outcome.api, "stream": outcome.stream,
+            "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "cached_tokens": usage.cached_tokens, "cost_nano_usd": outcome.cost, "ttft_ms": outcome.ttft_ms,
+            "latency_ms": outcome.latency_ms, "status": outcome.status, "error_type": outcome.error,
+            "started_at": outcome.started_at, "finished_at": outcome.finished_at,
+        }
 
     async def _settle_quotas(self, outcome: Outcome) -> None:
         """Windows and budgets charged what the request used; a budget threshold crossed is alerted."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -23,6 +24,12 @@ class Settings(BaseSettings):
     database_url: str = f"sqlite:///{data_dir() / 'servegate.db'}"
     # Quotas shared by several replicas; without it they are held in process.
     redis_url: str | None = None
+    # With Redis unreachable: "open" enforces every limit on each replica alone (each replica's
+    # windows and budgets rebuilt from the ledger when Redis went away, so N replicas may together
+    # spend up to N times what was left of a budget); "closed" refuses requests (503) until it is back.
+    quota_redis_down: Literal["open", "closed"] = "open"
+    # A concurrency slot in Redis is a lease its replica renews: a dead replica's slots free after this.
+    quota_lease_s: float = 15.0
     # The first admin key, used only when the database holds no key yet.
     admin_key: str | None = None
     # Keys, tenants and routes are served from memory and re-read this often.
@@ -36,6 +43,10 @@ class Settings(BaseSettings):
     # Usage records are appended here before the response ends, then batched into the database.
     spool_dir: Path = data_dir() / "spool"
     usage_flush_s: float = 0.5
+    # Open streams' usage is checkpointed this often: a process killed mid-stream loses at most this
+    # much of each stream's billing. Spools of stopped processes are looked for this often.
+    checkpoint_s: float = 1.0
+    recover_s: float = 5.0
     # Log prompts and outputs (off: logs carry request ids, tenants and figures only).
     log_prompts: bool = False
     # Tenants share prefix-cache hits. Off, each tenant's prompts reuse only its own cached prefixes

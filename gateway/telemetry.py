@@ -48,6 +48,9 @@ class GatewayMetrics:
                                       ["alias", "action"], registry=r)
         self.in_flight = Gauge("servegate_in_flight", "Requests in flight.", ["backend"], registry=r)
         self.queued = Gauge("servegate_queue_depth", "Requests waiting for a backend slot.", ["backend"], registry=r)
+        self.quarantined = Gauge("servegate_usage_quarantined_records", "Usage records the database refused, "
+                                 "kept aside in the spool directory's quarantine.jsonl since this process started.",
+                                 registry=r)
         # What the HorizontalPodAutoscaler scales on (deploy/kubernetes/base/hpa.yaml).
         self.saturation = Gauge("servegate_saturation", "The fullest backend's requests in flight and queued "
                                 "over this replica's slots for it (1: every slot busy).", registry=r)

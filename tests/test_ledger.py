@@ -48,10 +48,10 @@ def test_orphaned_spools_are_recovered_once_and_torn_lines_skipped(tmp_path):
     os.close(crashed.fd)  # its lock goes with it, as when the process dies
 
     survivor = UsageLedger(db, tmp_path / "spool")
-    assert survivor.recover_orphans() == 4  # replayed whole: r0..r2 again, and r3
+    assert survivor.recover_orphans().records == 4  # replayed whole: r0..r2 again, and r3
     assert stored_ids(db) == ["r0", "r1", "r2", "r3"]
     assert not crashed.path.exists()
-    assert survivor.recover_orphans() == 0
+    assert survivor.recover_orphans().records == 0
     survivor.close()
     assert not survivor.path.exists()  # everything in the database: the spool is removed
 
@@ -61,7 +61,7 @@ def test_a_live_processs_spool_is_left_alone(tmp_path):
     upgrade(db)
     alive = UsageLedger(db, tmp_path / "spool")
     alive.record(record("mine"))
-    assert UsageLedger(db, tmp_path / "spool").recover_orphans() == 0
+    assert UsageLedger(db, tmp_path / "spool").recover_orphans().records == 0
     assert alive.flush() == 1 and stored_ids(db) == ["mine"]
 
 

@@ -142,11 +142,14 @@ def test_an_upstream_that_lies_about_usage_is_billed_from_what_it_sent(tmp_path)
     ({"prompt_tokens": 3, "completion_tokens": 20, "prompt_tokens_details": {"cached_tokens": 10**9}}, 20),
     ({"prompt_tokens": -1000, "completion_tokens": 20, "prompt_tokens_details": {"cached_tokens": -5}}, 20),
     ({"prompt_tokens": "3", "completion_tokens": None, "prompt_tokens_details": {"cached_tokens": 2.5}}, 20),
-    ({"prompt_tokens": 3, "completion_tokens": 10**9}, 500),  # more than max_tokens: billed max_tokens
-], ids=["cached-beyond-the-prompt", "negative-counts", "counts-not-integers", "beyond-max-tokens"])
-def test_an_upstream_whose_usage_is_impossible_is_billed_at_least_what_it_sent(tmp_path, usage, completion):
+    ({"prompt_tokens": 3, "completion_tokens": 10**9}, 20),  # more than max_tokens: what was sent
+    ({"prompt_tokens": 2**63, "completion_tokens": 2**63, "prompt_tokens_details": {"cached_tokens": 2**63}}, 20),
+], ids=["cached-beyond-the-prompt", "negative-counts", "counts-not-integers", "beyond-max-tokens", "int64-overflow"])
+def test_an_upstream_whose_usage_is_impossible_is_billed_at_least_what_it_sent(tmp_path, usage, completion, caplog):
     """Cached tokens priced below input ones, more of them than the prompt held, would bill less
-    than nothing; a negative count likewise. A completion count beyond `max_tokens` bills `max_tokens`."""
+    than nothing; a negative count likewise. A count beyond what the request could use (a completion
+    past `max_tokens`, a prompt past the gateway's own count) is logged with the backend's name and
+    billed from the gateway's own count: what it sent, the prompt as it counted it."""
     async def impossible():
         async for chunk in answer(count=20):
             yield chunk if b'"usage": null' in chunk or b"[DONE]" in chunk else piece(None, usage=usage)
@@ -160,8 +163,10 @@ def test_an_upstream_whose_usage_is_impossible_is_billed_at_least_what_it_sent(t
         record = usage_records(gw.url, tenant)[0]
     billed = (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.prompt_tokens_details.cached_tokens)
     assert billed == (record["prompt_tokens"], record["completion_tokens"], record["cached_tokens"])
-    assert record["prompt_tokens"] >= 1 and record["completion_tokens"] == completion
+    assert 1 <= record["prompt_tokens"] < 2**31 and record["completion_tokens"] == completion
     assert 0 <= record["cached_tokens"] <= record["prompt_tokens"]
+    if any(isinstance(v, int) and v > 500 for v in (usage["prompt_tokens"], usage["completion_tokens"])):
+        assert any("backend remote reported usage" in r.getMessage() for r in caplog.records)
     # every prompt token at the cached price, in nano-dollars ($1 per million tokens is 1,000 a token)
     assert record["cost_nano_usd"] >= record["prompt_tokens"] * 100 + completion * 2_000
 

@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .. import fields
@@ -24,6 +25,7 @@ from ..base import (
     TokenSpan,
     Unavailable,
     Usage,
+    prompt_text_bytes,
     servegate_version,
     text_only,
 )
@@ -41,6 +43,7 @@ log = logging.getLogger("servegate.builtin")
 
 MAX_N = 16
 COUNTED_KEPT = 1024  # counted prompts awaiting their generate()
+TOKENIZER_THREADS = 2  # templating and tokenizing run here, off the event loop; more requests wait their turn
 
 
 class BuiltinBackend(Backend):
@@ -55,11 +58,13 @@ class BuiltinBackend(Backend):
         self._front: EngineFront | None = None
         self.info: CoreInfo | None = None
         self.tokenizer = None
-        self._texts: logprobs.TokenTexts | None = None  # for logprobs, made on first use
+        self._texts: logprobs.TokenTexts | None = None  # every token's bytes (logprobs, the longest token)
         self._load_error: BaseException | None = None
         # Prompt ids counted for a quota reservation, kept for the request's generate(): a prompt
         # is templated and tokenized once. Bounded: a request refused after counting never comes.
         self._counted: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
+        self._tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix=f"{name}-tokenize")
+        self._longest_token = 1  # bytes: what `min_prompt_tokens` divides a prompt's bytes by
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -73,9 +78,11 @@ class BuiltinBackend(Backend):
                 self.engine = await asyncio.to_thread(LLMEngine, self.config)
                 front, self.info, self.tokenizer = AsyncLLMEngine(self.engine), CoreInfo.of(self.engine), \
                     self.engine.tokenizer
+            self._texts = await asyncio.to_thread(logprobs.TokenTexts, self.tokenizer)
         except BaseException as exc:
             self._load_error = exc
             raise
+        self._longest_token = max(map(len, self._texts.bytes), default=1) or 1
         self._front = front
         info = self.info
         log.info("model %s loaded: %s (%s), max context %d, %d KV blocks of %d tokens, engine %s", self.model_id,
@@ -90,6 +97,11 @@ class BuiltinBackend(Backend):
     async def close(self) -> None:
         if self._front is not None:
             self._front.shutdown()
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
+
+    async def _off_loop(self, work, *args):
+        """Work that grows with the input (templating, tokenizing), on the tokenizer threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, work, *args)
 
     @property
     def model_id(self) -> str:
@@ -105,7 +117,8 @@ class BuiltinBackend(Backend):
     # -- generation ---------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         info, front = self._ready()
-        prompt_ids = self._counted.pop(_prompt_key(request), None) or self._prompt_ids(info, request)
+        prompt_ids = self._counted.pop(_prompt_key(request), None) or await self._off_loop(
+            self._prompt_ids, info, request)
         tool_use = ToolUse.of(request.extra)
         params = self._sampling_params(info, request, len(prompt_ids), tool_use)
         reasons: list[str | None] = [None] * params.n
@@ -122,9 +135,9 @@ class BuiltinBackend(Backend):
                 text = echo + text
                 unechoed.discard(out.index)
             if out.logprobs and request.messages:
-                extra["logprobs"] = logprobs.chat(self._token_texts(), out.token_ids, out.logprobs)
+                extra["logprobs"] = logprobs.chat(self._texts, out.token_ids, out.logprobs)
             elif out.logprobs:
-                extra["logprobs"] = logprobs.completion(self._token_texts(), out.token_ids, out.logprobs,
+                extra["logprobs"] = logprobs.completion(self._texts, out.token_ids, out.logprobs,
                                                         offsets[out.index])
                 offsets[out.index] += sum(map(len, extra["logprobs"]["tokens"]))
             if parsers:
@@ -149,11 +162,6 @@ class BuiltinBackend(Backend):
         if request.extra.get("logprobs") is not None:
             raise InvalidRequest("echo with logprobs (the prompt's logprobs) is not supported", param="echo")
         return request.prompt if request.prompt is not None else self.tokenizer.decode(prompt_ids)
-
-    def _token_texts(self) -> logprobs.TokenTexts:
-        if self._texts is None:
-            self._texts = logprobs.TokenTexts(self.tokenizer)
-        return self._texts
 
     def _prompt_ids(self, info: CoreInfo, request: GenerateRequest) -> list[int]:
         tokenizer = self.tokenizer
@@ -245,13 +253,20 @@ class BuiltinBackend(Backend):
 
     async def count_prompt_tokens(self, request: GenerateRequest) -> int:
         info, _ = self._ready()
-        ids = self._counted[_prompt_key(request)] = self._prompt_ids(info, request)
+        ids = self._counted[_prompt_key(request)] = await self._off_loop(self._prompt_ids, info, request)
         while len(self._counted) > COUNTED_KEPT:
             self._counted.popitem(last=False)
         return len(ids)
 
+    def min_prompt_tokens(self, request: GenerateRequest) -> int:
+        """No token of this vocabulary spans more than its longest token's bytes."""
+        return super().min_prompt_tokens(request) or -(-prompt_text_bytes(request) // self._longest_token)
+
     async def tokenize(self, text: str) -> list[TokenSpan]:
         self._ready()
+        return await self._off_loop(self._spans, text)
+
+    def _spans(self, text: str) -> list[TokenSpan]:
         encoded = self.tokenizer(text, return_offsets_mapping=True)
         return [TokenSpan(i, text[a:b], a, b) for i, (a, b) in zip(encoded["input_ids"], encoded["offset_mapping"])]
 

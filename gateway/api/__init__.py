@@ -7,9 +7,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, model_validator
 
-# The largest token count any runtime here takes (int32): larger ones are refused before they
-# reach quotas (Redis' Lua numbers) or upstreams.
-MAX_TOKENS = 2**31 - 1
+from backends.base import MAX_TOKENS
+
 TokenCount = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
 
 
