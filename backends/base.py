@@ -229,6 +229,13 @@ TEMPLATE_TOKENS = 512  # a chat template's own text: a default system prompt, da
 MEDIA_TOKENS = 4096  # an image, audio or file part: the placeholder tokens a runtime expands it to
 # Request fields a chat template renders into the prompt (vLLM's and llama-server's chat routes).
 TEMPLATED_FIELDS = ("tools", "functions", "documents", "chat_template_kwargs", "tool_choice")
+# The `chat_template_kwargs` a client may set, on the runtimes that take the field: the switches
+# the model families' own templates read (Qwen3's and Granite's `enable_thinking`, DeepSeek-V3.1's
+# `thinking`, gpt-oss's `reasoning_effort` and `builtin_tools`, Llama 3.x's `tools_in_user_message`
+# and `date_string`), none that replaces the template or feeds it anything else (`chat_template`,
+# which vLLM refuses there).
+CHAT_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "reasoning_effort", "builtin_tools",
+                                  "tools_in_user_message", "date_string"})
 
 
 def prompt_text_bytes(request: GenerateRequest) -> int:
@@ -273,6 +280,22 @@ def prompt_upper_bound(request: GenerateRequest) -> int:
     return bound + TEMPLATE_TOKENS + 2 * len(json.dumps(rendered, ensure_ascii=False).encode())
 
 
+def _check_template_kwargs(kwargs: Any) -> None:
+    """`chat_template_kwargs` holds only the switches templates read (`CHAT_TEMPLATE_KWARGS`)."""
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    for key, value in kwargs.items():
+        if key not in CHAT_TEMPLATE_KWARGS:
+            raise InvalidRequest(f"chat_template_kwargs.{key} is not accepted (accepted: "
+                                 f"{', '.join(sorted(CHAT_TEMPLATE_KWARGS))})", param=f"chat_template_kwargs.{key}")
+        if not (value is None or isinstance(value, (bool, int, float, str))
+                or (isinstance(value, list) and all(isinstance(item, str) for item in value))):
+            raise InvalidRequest(f"chat_template_kwargs.{key} must be a boolean, a number, a string or a list of "
+                                 "strings", param=f"chat_template_kwargs.{key}")
+
+
 @functools.cache
 def servegate_version() -> str:
     """This install's version, read once: reading a distribution's metadata walks the import path
@@ -301,6 +324,7 @@ class Backend(abc.ABC):
         for key in unknown:
             if request.extra[key] not in (None, False, 0, "", [], {}):
                 raise InvalidRequest(f"parameter {key!r} is not supported by backend {self.name!r}", param=key)
+        _check_template_kwargs(request.extra.get("chat_template_kwargs"))
         if not unknown:
             return request
         return dataclasses.replace(request, extra={k: v for k, v in request.extra.items() if k not in unknown})

@@ -83,7 +83,8 @@ def create_app(backends: dict[str, Backend], settings: Settings | None = None, d
             if owned_provider is not None:
                 owned_provider.shutdown()  # the last spans flushed
 
-    app = FastAPI(title="servegate", version="0.1.0", lifespan=lifespan)
+    docs = {} if settings.api_docs else {"docs_url": None, "redoc_url": None}
+    app = FastAPI(title="servegate", version="0.1.0", lifespan=lifespan, **docs)
     app.state.gateway = gateway
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     if tracer_provider is not None:  # outermost: a refused body is traced too

@@ -26,7 +26,7 @@ from sqlalchemy import Engine
 from sqlmodel import Session, select
 
 from .errors import GatewayError
-from .keys import is_servegate_key, key_prefix, verify
+from .keys import hash_key, is_servegate_key, key_prefix, verify
 from .models import ApiKey, Limits, Tenant, nano_usd
 from .quotas import QuotaLimits, Scope
 from .settings import Settings
@@ -116,6 +116,7 @@ class Directory:
         self.engine, self.settings = engine, settings
         self.tenants: dict[str, TenantView] = {}
         self.keys: dict[str, KeyView] = {}
+        self.chosen: dict[str, KeyView] = {}
         self.loaded_at: datetime | None = None
         self._missing: dict[str, float] = {}  # key prefixes the database did not have, until when
         self._lookup = asyncio.Lock()
@@ -133,6 +134,7 @@ class Directory:
         by_id = {t.id: t for t in tenants}
         self.tenants = {t.name: _tenant_view(t) for t in tenants}
         self.keys = {k.prefix: _key_view(k, by_id[k.tenant_id]) for k in keys if k.tenant_id in by_id}
+        self.chosen = {view.key_hash: view for view in self.keys.values()}  # keys an operator chose, by hash
         self.loaded_at = datetime.now(UTC)
         self._missing.clear()
         if self._jwks is not None and time.monotonic() - self._jwks_fetched > JWKS_TTL_S:
@@ -186,9 +188,12 @@ class Directory:
         if self.settings.jwt_enabled and credential.count(".") == 2 and not credential.startswith("sg_"):
             return self._from_jwt(credential)
         prefix = key_prefix(credential)
-        key = self.keys.get(prefix)
-        if key is None and is_servegate_key(credential):
-            key = await self._look_up(prefix)
+        if prefix is None:  # not shaped like a key servegate makes: one an operator chose, known by its hash
+            key = self.chosen.get(hash_key(credential))
+        else:
+            key = self.keys.get(prefix)
+            if key is None and is_servegate_key(credential):
+                key = await self._look_up(prefix)
         if key is None or not verify(credential, key.key_hash):
             raise unauthorized("Incorrect API key provided.")
         if key.expires_at is not None and key.expires_at <= datetime.now(UTC):
@@ -208,8 +213,8 @@ class Directory:
         try:
             key = self._signing_key(token) if self._jwks else s.jwt_public_key
             claims = jwt.decode(token, key, algorithms=s.jwt_algorithms, audience=s.jwt_audience,
-                                issuer=s.jwt_issuer, options={"require": ["exp"], "verify_aud": bool(s.jwt_audience)})
-        except jwt.PyJWTError as exc:
+                                issuer=s.jwt_issuer, options={"require": ["exp", "aud", "iss"]})
+        except (jwt.PyJWTError, TypeError) as exc:  # PyJWT raises TypeError for an `iss` that is no string
             raise unauthorized(f"Invalid token: {exc}") from exc
         tenant = claims.get(s.jwt_tenant_claim)
         if not isinstance(tenant, str):
@@ -230,3 +235,4 @@ class Directory:
         if kid not in self.signing_keys:
             raise unauthorized(f"Invalid token: unknown signing key {kid!r}.")
         return self.signing_keys[kid]
+

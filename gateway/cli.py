@@ -379,10 +379,11 @@ def usage(
     """Usage totals and the latest records, from the database."""
     from datetime import datetime
 
+    from .models import in_utc
     from .tenancy import usage_report
 
     try:
-        start, end = (datetime.fromisoformat(t) if t else None for t in (since, until))
+        start, end = (in_utc(datetime.fromisoformat(t)) if t else None for t in (since, until))
     except ValueError as exc:
         _fail(f"bad time: {exc}")
     with _session() as session:

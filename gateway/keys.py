@@ -30,13 +30,18 @@ def is_servegate_key(key: str) -> bool:
             and all(c in "0123456789abcdef" for c in parts[1]) and len(parts[2]) == SECRET_CHARS)
 
 
-def key_prefix(key: str) -> str:
-    """The lookup prefix: the public part of a servegate key; for a key an operator chose
-    (`SERVEGATE_ADMIN_KEY`), the start of its hash."""
+def key_prefix(key: str) -> str | None:
+    """The public part of a servegate key; None for a key an operator chose (`SERVEGATE_ADMIN_KEY`),
+    which is looked up by its whole hash and listed under a random prefix (the start of an unsalted
+    hash would let anyone who reads the listing test guesses of a chosen key offline)."""
     parts = key.split("_", 2)
     if len(parts) == 3 and parts[0] == "sg" and len(parts[1]) == PREFIX_CHARS:
         return parts[1]
-    return hash_key(key)[:PREFIX_CHARS]
+    return None
+
+
+def chosen_key_prefix() -> str:
+    return secrets.token_hex(PREFIX_CHARS // 2)
 
 
 def verify(key: str, stored_hash: str) -> bool:

@@ -22,6 +22,15 @@ def as_utc(moment: datetime | None) -> datetime | None:
     return moment.replace(tzinfo=UTC) if moment is not None and moment.tzinfo is None else moment
 
 
+def in_utc(moment: datetime) -> datetime:
+    """A time from outside moved to UTC (taken as UTC without a zone); one that lies outside the years
+    1 to 9999 once in UTC (0001-01-01T00:00+00:01, 9999-12-31T23:59-14:00) is refused by ValueError."""
+    try:
+        return as_utc(moment).astimezone(UTC)
+    except OverflowError:
+        raise ValueError(f"{moment.isoformat()} lies outside the years 1 to 9999 in UTC") from None
+
+
 MAX_LIMIT = 2**53  # fits the databases' 64-bit integers and JSON numbers
 MAX_USD = Decimal(9_000_000_000)  # in nano-dollars, within a 64-bit integer
 

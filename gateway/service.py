@@ -12,20 +12,21 @@ import dataclasses
 import hashlib
 import logging
 import time
+import uuid
 from collections.abc import Callable, Coroutine
 
 from sqlalchemy import Engine
 
-from backends.base import NANO_USD_PER_USD, Backend, GenerateRequest, Health
+from backends.base import NANO_USD_PER_USD, Backend, ContextTooLong, GenerateRequest, Health, TokenSpan
 from policies.rollout import ROLLOUT, load_rollout
 
 from . import budgets, ledger, shadow
 from .admission import Admission
 from .auth import Directory, Principal
-from .calls import Call, CallEnv, Outcome
+from .calls import Call, CallEnv, Outcome, refusal
 from .canary import CanaryGuard
 from .ledger import UsageLedger
-from .quotas import MemoryQuotaStore, QuotaStore, RedisQuotaStore, Reservation, Spent
+from .quotas import MemoryQuotaStore, QuotaExceeded, QuotaStore, RedisQuotaStore, Reservation, Spent
 from .routing import Breaker, Decision, ModelRouter, RequestFacts
 from .settings import Settings
 from .telemetry import GatewayMetrics
@@ -170,6 +171,32 @@ class Gateway:
                     trace=trace)
         self._open[greq.request_id] = call
         return call
+
+    async def tokenize(self, principal: Principal, decision: Decision, text: str) -> list[TokenSpan]:
+        """A text's tokens by the model's backend, charged to the caller's quotas as a prompt is: one
+        request, and its tokens (reserved at their cheap lower bound, settled to the count). A text
+        past the model's context is refused before it is tokenized."""
+        backend = decision.candidates[0]
+        request = GenerateRequest(request_id=f"tokenize-{uuid.uuid4().hex}", model=decision.model, prompt=text)
+        at_least, context = backend.min_prompt_tokens(request), (await backend.capabilities()).max_context
+        if context and at_least > context:
+            raise ContextTooLong(f"The inputs hold at least {at_least} tokens, more than the model's context of "
+                                 f"{context} tokens.", param="inputs")
+        try:
+            reservation = await self.quotas.reserve(principal.quota_scopes(), at_least)
+        except QuotaExceeded as exc:
+            self.metrics.quota_rejections.labels(principal.tenant.name, exc.limit).inc()
+            raise refusal(exc, at_least, 0) from None
+        counted = 0
+        try:
+            spans = await backend.tokenize(text)
+            counted = len(spans)
+        finally:
+            self.spawn(self.quotas.settle(reservation, counted))
+        if context and counted > context:
+            raise ContextTooLong(f"The inputs hold {counted} tokens, more than the model's context of {context} "
+                                 "tokens.", param="inputs")
+        return spans
 
     def settle(self, call: Call) -> None:
         """A call's end: its outcome handed on. A call refused before it reached a backend (quota,

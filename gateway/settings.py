@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import field_validator
+from pydantic import field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from backends.base import Price
@@ -67,6 +67,8 @@ class Settings(BaseSettings):
     jwt_public_key: str | None = None
     jwt_jwks_url: str | None = None
     jwt_algorithms: list[str] = ["RS256", "ES256", "EdDSA"]
+    # Required with JWT on: a token must name this audience and this issuer (a token minted for
+    # another service of the same identity provider is refused).
     jwt_audience: str | None = None
     jwt_issuer: str | None = None
     jwt_tenant_claim: str = "tenant"
@@ -88,6 +90,18 @@ class Settings(BaseSettings):
     max_body_bytes: int = 8 * 1024 * 1024
     # `/metrics` answers loopback clients freely; others must send this token as a bearer.
     metrics_token: str | None = None
+
+    # OpenAPI's interactive pages (/docs, /redoc) load their scripts from a CDN, on the origin where the
+    # console keeps its key: off unless asked for. The schema itself, /openapi.json, is always served.
+    api_docs: bool = False
+
+    @model_validator(mode="after")
+    def _jwt_names_its_audience_and_issuer(self) -> Settings:
+        if self.jwt_enabled and not (self.jwt_audience and self.jwt_issuer):
+            raise ValueError("JWT bearer tokens are on (SERVEGATE_JWT_PUBLIC_KEY or SERVEGATE_JWT_JWKS_URL): set "
+                             "SERVEGATE_JWT_AUDIENCE and SERVEGATE_JWT_ISSUER to the values tokens for this gateway "
+                             "carry")
+        return self
 
     @field_validator("prices")
     @classmethod

@@ -15,7 +15,7 @@ from sqlalchemy import func
 from sqlmodel import Session, col, select
 
 from .errors import GatewayError
-from .keys import hash_key, key_prefix, new_key
+from .keys import chosen_key_prefix, hash_key, key_prefix, new_key
 from .models import ApiKey, AuditLog, Dollars, Limits, Tenant, UsageRecord, as_utc, usd, utcnow
 from .telemetry import percentile
 
@@ -157,7 +157,7 @@ def _add_key(session: Session, tenant: Tenant, name: str, scopes: list[str], exp
     if key is None:
         key, prefix = new_key()
     else:
-        prefix = key_prefix(key)
+        prefix = key_prefix(key) or chosen_key_prefix()
     row = ApiKey(prefix=prefix, key_hash=hash_key(key), tenant_id=tenant.id, name=name, scopes=",".join(scopes),
                  expires_at=expires_at, **limits)
     session.add(row)

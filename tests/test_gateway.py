@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 
 from backends.builtin import BuiltinBackend, EngineConfig
 from gateway.db import make_engine
-from gateway.keys import key_prefix
+from gateway.keys import hash_key, key_prefix
 
 from .conftest import ADMIN_KEY, AUTH, away_from_minute_edge, bearer, gateway_app, serve_app, usage_records, wait_ready
 
@@ -137,12 +137,12 @@ def test_jwt_bearer_tokens_name_their_tenant(tiny_model_dir, tmp_path):
     public = private.public_key().public_bytes(serialization.Encoding.PEM,
                                                serialization.PublicFormat.SubjectPublicKeyInfo).decode()
     app = gateway_app({"tiny": tiny_backend(tiny_model_dir)}, tmp_path, jwt_public_key=public, jwt_audience="sg",
-                      jwt_operator_scope="platform-operator")
+                      jwt_issuer="idp", jwt_operator_scope="platform-operator")
     with serve_app(app) as url:
         wait_ready(url)
 
         def token(**claims) -> str:
-            claims = {"sub": "alice", "aud": "sg", "exp": int(time.time()) + 60, **claims}
+            claims = {"sub": "alice", "aud": "sg", "iss": "idp", "exp": int(time.time()) + 60, **claims}
             return jwt.encode(claims, private, algorithm="RS256")
 
         ok = httpx.get(f"{url}/v1/models", headers=bearer(token(tenant="default")))
@@ -150,6 +150,13 @@ def test_jwt_bearer_tokens_name_their_tenant(tiny_model_dir, tmp_path):
         for bad, why in [(token(tenant="nobody"), "Unknown tenant"), (token(), "claim"),
                          (token(tenant="default", exp=int(time.time()) - 10), "expired"),
                          (token(tenant="default", aud="other"), "Audience"),
+                         (token(tenant="default", aud=None), '"aud"'),
+                         (jwt.encode({"tenant": "default", "aud": "sg", "exp": int(time.time()) + 60}, private,
+                                     algorithm="RS256"), '"iss"'),
+                         (token(tenant="default", iss="another-idp"), "issuer"),
+                         (jwt.PyJWS().encode(json.dumps({"tenant": "default", "aud": "sg", "iss": {"not": "a string"},
+                                                         "exp": int(time.time()) + 60}).encode(), private,
+                                             algorithm="RS256"), "Issuer"),
                          (jwt.encode({"tenant": "default", "aud": "sg", "exp": int(time.time()) + 60},
                                      rsa.generate_private_key(public_exponent=65537, key_size=2048),
                                      algorithm="RS256"), "Signature")]:
@@ -179,10 +186,11 @@ def test_jwt_signing_keys_come_from_a_jwks_url(tiny_model_dir, tmp_path):
         await send({"type": "http.response.body", "body": document})
 
     with serve_app(jwks) as idp:
-        app = gateway_app({"tiny": tiny_backend(tiny_model_dir)}, tmp_path, jwt_jwks_url=f"{idp}/jwks.json")
+        app = gateway_app({"tiny": tiny_backend(tiny_model_dir)}, tmp_path, jwt_jwks_url=f"{idp}/jwks.json",
+                          jwt_audience="sg", jwt_issuer="idp")
         with serve_app(app) as url:
             wait_ready(url)
-            claims = {"tenant": "default", "exp": int(time.time()) + 60}
+            claims = {"tenant": "default", "aud": "sg", "iss": "idp", "exp": int(time.time()) + 60}
             good = jwt.encode(claims, private, algorithm="RS256", headers={"kid": "k1"})
             assert httpx.get(f"{url}/v1/models", headers=bearer(good)).status_code == 200
             unknown = jwt.encode(claims, private, algorithm="RS256", headers={"kid": "rotated-away"})
@@ -307,7 +315,11 @@ def test_admin_api_manages_tenants_and_keys_with_an_audit_trail(gw):
     assert actions == ["tenant.create", "key.create", *["tenant.update"] * 4, "key.rotate"]
     first_update = next(e for e in reversed(audit) if e["action"] == "tenant.update")
     assert first_update["before"]["rpm"] == 5 and first_update["after"]["rpm"] == 7
-    assert first_update["actor"] == key_prefix(ADMIN_KEY)  # the admin key that made the change
+    chosen = next(k["prefix"] for k in admin(gw, "GET", "/admin/keys", params={"tenant": "default"}).json()
+                  if k["name"] == "bootstrap admin")
+    assert first_update["actor"] == chosen  # the admin key that made the change
+    # a key an operator chose is listed under a random prefix, not the start of its unsalted hash
+    assert chosen != hash_key(ADMIN_KEY)[:8] and key_prefix(ADMIN_KEY) is None
 
 
 def test_backpressure_refuses_with_503_when_the_queue_is_full_or_too_slow(tiny_model_dir, tmp_path):

@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import Response
+from pydantic import AfterValidator
 from sqlmodel import Session, col, select
 
 from .. import routes, shadow, tenancy
@@ -21,11 +22,17 @@ from ..auth import Principal
 from ..canary import verdict
 from ..deps import AdminPrincipal, GatewayDep, OperatorPrincipal
 from ..errors import GatewayError
-from ..models import AuditLog, utcnow
+from ..models import AuditLog, in_utc, utcnow
 from ..service import Gateway
 from ..tenancy import KeyCreated, KeyIn, KeyOut, TenantIn, TenantOut, TenantPatch, UsageReport
 
-router = APIRouter(prefix="/admin", tags=["admin"])
+
+def _no_store(response: Response) -> None:
+    """Keys, usage and audit entries are nobody's to cache: not a proxy's, not a browser's."""
+    response.headers["Cache-Control"] = "no-store"
+
+
+router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(_no_store)])
 
 
 def get_session(gateway: GatewayDep) -> Iterator[Session]:
@@ -34,6 +41,7 @@ def get_session(gateway: GatewayDep) -> Iterator[Session]:
 
 
 SessionDep = Annotated[Session, Depends(get_session)]
+Moment = Annotated[datetime, AfterValidator(in_utc)]  # a query's time, in UTC
 
 
 def _changed(gateway: Gateway) -> None:
@@ -114,14 +122,14 @@ def rotate_key(prefix: str, admin: AdminPrincipal, session: SessionDep, gateway:
 
 
 @router.get("/usage", response_model=UsageReport)
-def usage(admin: AdminPrincipal, session: SessionDep, tenant: str | None = None, since: datetime | None = None,
-          until: datetime | None = None, limit: Annotated[int, Query(ge=1, le=10_000)] = 100):
+def usage(admin: AdminPrincipal, session: SessionDep, tenant: str | None = None, since: Moment | None = None,
+          until: Moment | None = None, limit: Annotated[int, Query(ge=1, le=10_000)] = 100):
     return tenancy.usage_report(session, _own(admin, tenant), since, until, limit)
 
 
 @router.get("/usage/series", response_model=tenancy.UsageSeries)
 def usage_series(admin: AdminPrincipal, session: SessionDep, tenant: str | None = None,
-                 since: datetime | None = None, until: datetime | None = None,
+                 since: Moment | None = None, until: Moment | None = None,
                  bucket: tenancy.Bucket = "hour", by: tenancy.GroupBy = "model"):
     """Usage over time (default: the last 24 hours), per bucket and per model, key or tenant."""
     until = until or utcnow()
@@ -136,11 +144,11 @@ def usage_series(admin: AdminPrincipal, session: SessionDep, tenant: str | None 
 @router.get("/usage/series.csv", response_class=Response, responses={
     200: {"description": "One row per bucket and group.", "content": {"text/csv": {"schema": {"type": "string"}}}}})
 def usage_series_csv(admin: AdminPrincipal, session: SessionDep, tenant: str | None = None,
-                     since: datetime | None = None, until: datetime | None = None,
+                     since: Moment | None = None, until: Moment | None = None,
                      bucket: tenancy.Bucket = "hour", by: tenancy.GroupBy = "model"):
     series = usage_series(admin, session, tenant, since, until, bucket, by)
     return Response(tenancy.series_csv(series), media_type="text/csv",
-                             headers={"Content-Disposition": 'attachment; filename="usage.csv"'})
+                    headers={"Content-Disposition": 'attachment; filename="usage.csv"', "Cache-Control": "no-store"})
 
 
 @router.get("/backends")

@@ -1,7 +1,9 @@
 """Probes: /health (liveness: the process answers) and /ready (a backend can serve).
 
 Ready needs one backend ready, not all: one replica down among a route's targets is the router's
-business (it skips it), not a reason to take every gateway out of its load balancer."""
+business (it skips it), not a reason to take every gateway out of its load balancer. A background
+task of the gateway's own that died (the usage ledger's writer, say) makes it unready until it is
+running again: its body names the task and why."""
 
 from __future__ import annotations
 
@@ -23,5 +25,8 @@ async def health() -> dict:
 @router.get("/ready")
 async def ready(gateway: GatewayDep) -> JSONResponse:
     states = {model: (await backend.health()).value for model, backend in gateway.router.backends.items()}
-    ok = any(s == Health.READY for s in states.values())
-    return JSONResponse({"status": "ready" if ok else "not ready", "models": states}, status_code=200 if ok else 503)
+    ok = any(s == Health.READY for s in states.values()) and not gateway.down
+    body = {"status": "ready" if ok else "not ready", "models": states}
+    if gateway.down:
+        body["down"] = dict(gateway.down)
+    return JSONResponse(body, status_code=200 if ok else 503)

@@ -57,10 +57,21 @@ class SamplingRequest(ClientBody):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # OpenAI's message fields (openai-python `chat_completion_*_message_param.py`), and the reasoning
+    # text vLLM and SGLang return and take back; any other is refused by name, as unknown top-level
+    # fields are by the backend, rather than reach an upstream verbatim.
+    model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    role: Literal["system", "user", "assistant", "tool", "developer", "function"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    function_call: dict[str, Any] | None = None
+    refusal: str | None = None
+    audio: dict[str, Any] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):

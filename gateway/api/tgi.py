@@ -181,9 +181,12 @@ async def generate_stream(request: Request, body: TGIRequest, principal: Inferen
 
 
 @router.post("/tokenize", summary="Tokenize inputs")
-async def tokenize(body: TGIRequest, principal: InferencePrincipal, gateway: GatewayDep, model: str | None = None):
-    backend = gateway.resolve(principal, model).candidates[0]
-    return [{"id": t.id, "text": t.text, "start": t.start, "stop": t.stop} for t in await backend.tokenize(body.inputs)]
+async def tokenize(request: Request, body: TGIRequest, principal: InferencePrincipal, gateway: GatewayDep,
+                   model: str | None = None):
+    """Charged like a prompt: a request and its tokens to the tenant's windows (no cost)."""
+    decision = gateway.resolve(principal, model)
+    spans = await generation.until_disconnect(request, gateway.tokenize(principal, decision, body.inputs))
+    return [{"id": t.id, "text": t.text, "start": t.start, "stop": t.stop} for t in spans]
 
 
 @router.get("/info", summary="Model and router information")
