@@ -396,7 +396,7 @@ class RedisQuotaStore(QuotaStore):
         self._reserve_script = self.redis.register_script(RESERVE_LUA)
         self._settle_script = self.redis.register_script(SETTLE_LUA)
         self.fallback = MemoryQuotaStore()
-        self._fallback_seeded = False
+        self._degraded = False  # Redis failed the last reservation: the fallback holds this outage's count
         self.open: dict[str, Reservation] = {}  # charged here, not yet settled: their leases are renewed
 
     def _key(self, scope: str, name: str, window: int) -> str:
@@ -433,8 +433,11 @@ class RedisQuotaStore(QuotaStore):
                 raise QuotaStoreDown(f"the quota store cannot be reached: {exc}") from exc
             log.warning("redis unreachable, enforcing quotas in process: %s", exc)
             r.local = True
-            await self._seed_fallback()
+            if not self._degraded:  # a new outage: this replica counts on from the ledger's totals
+                self._degraded = True
+                await self._seed_fallback()
             return await self.fallback._reserve(r, now, charge)
+        self._degraded = False
         if answer[0] == 1:
             index, counter, used = (int(v) for v in answer[1:])
             limit = COUNTERS[counter - 1].limit if counter <= len(COUNTERS) else "max_concurrency"
@@ -500,14 +503,15 @@ class RedisQuotaStore(QuotaStore):
             await self.redis.delete(lock)
 
     async def _seed_fallback(self) -> None:
-        """The in-process store, on first use, starts from the ledger's totals, not from zero."""
-        if self._fallback_seeded or self.history is None:
-            return
-        self._fallback_seeded = True
+        """The in-process store starts each outage from the ledger's totals, not from zero (the
+        reservations it holds from an earlier outage settle into it all the same)."""
+        fallback = MemoryQuotaStore()
+        fallback.in_flight = self.fallback.in_flight
         try:
-            self.fallback.seed(await self.history())
+            fallback.seed(await self.history() if self.history else [])
         except Exception as exc:
             log.error("the ledger cannot be read: quotas in process start from zero: %s", exc)
+        self.fallback = fallback
 
     async def run(self) -> None:
         """Renew the leases of this replica's open requests."""
