@@ -26,6 +26,7 @@ from .service import Gateway
 from .tracing import of
 
 ROUTE_HEADER = "x-servegate-route"
+SETTLE_WAIT_S = 0.5  # how long the end of an answer waits for its quota settlement (Redis may be slow)
 
 
 async def _disconnected(request: Request) -> None:
@@ -73,8 +74,10 @@ async def _settled(gateway: Gateway, call: Call, first: Event, events: AsyncIter
         event = first
         while True:
             if isinstance(event, Finish):
-                gateway.settle(call)
+                settling = gateway.settle(call)
                 settled = True
+                if settling is not None:  # the slot is free before the client can send its next request
+                    await asyncio.wait({settling}, timeout=SETTLE_WAIT_S)
             yield event
             event = await anext(events)
     except StopAsyncIteration:

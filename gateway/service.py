@@ -198,32 +198,33 @@ class Gateway:
                                  "tokens.", param="inputs")
         return spans
 
-    def settle(self, call: Call) -> None:
+    def settle(self, call: Call) -> asyncio.Task | None:
         """A call's end: its outcome handed on. A call refused before it reached a backend (quota,
-        limits) has none; only its shadow is dropped."""
+        limits) has none; only its shadow is dropped. Returns the quota settlement under way, if
+        any, for the caller to wait on (briefly) before the client sees the end: a client that sends
+        its next request on seeing it finds its concurrency slot free."""
         self._open.pop(call.greq.request_id, None)
         if call.outcome is None:
             mirrored = self._shadows.pop(call.greq.request_id, None)
             if mirrored is not None:
                 mirrored.cancel()
-            return
+            return None
         outcome = call.outcome
         with call.trace.step("gateway.settle", **{
                 "servegate.status": outcome.status, "gen_ai.usage.input_tokens": outcome.usage.prompt_tokens,
                 "gen_ai.usage.output_tokens": outcome.usage.completion_tokens}):
-            self._record(outcome)
+            return self._record(outcome)
 
-    def _record(self, outcome: Outcome) -> None:
+    def _record(self, outcome: Outcome) -> asyncio.Task | None:
         """Text that came without token ids from a stream that never finished is tokenized first
         (in the background: the client is gone or failed already)."""
         if outcome.recount is not None:
             self.spawn(self._settle_recounted(outcome))
-            return
+            return None
         tenant, model, usage = outcome.principal.tenant.name, outcome.decision.model, outcome.usage
         record = self._row(outcome)
         self.ledger.record(record)
-        if outcome.reservation is not None:
-            self.spawn(self._settle_quotas(outcome))
+        settling = self.spawn(self._settle_quotas(outcome)) if outcome.reservation is not None else None
         self.canary.observe(outcome.decision, outcome.status, outcome.ttft_ms, outcome.latency_ms,
                             usage.completion_tokens)
         mirrored = self._shadows.pop(outcome.request_id, None)
@@ -245,6 +246,7 @@ class Gateway:
         if self.settings.log_prompts:
             extra["prompt"] = outcome.request.prompt or outcome.request.messages
         requests_log.info("request finished", extra=extra)
+        return settling
 
     @staticmethod
     def _row(outcome: Outcome) -> dict:

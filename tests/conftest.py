@@ -282,7 +282,14 @@ def pytest_runtest_logreport(report):
         counts[report.outcome] += 1
 
 
+REPORTS: dict[str, list[str]] = {}  # a test's findings worth reading in CI's output, by title
+
+
 def pytest_terminal_summary(terminalreporter):
+    for title, lines in REPORTS.items():
+        terminalreporter.section(title)
+        for line in lines:
+            terminalreporter.write_line(line)
     if CONFORMANCE:
         terminalreporter.section("conformance: results per target")
         for target, counts in CONFORMANCE.items():

@@ -21,7 +21,7 @@ import pytest
 import redis
 from sqlmodel import Session, select
 
-from advisor.bench.baselines import free_port
+from advisor.bench.baselines import free_port, servegate_command
 from backends.base import GenerateRequest
 from backends.builtin.backend import BuiltinBackend
 from backends.builtin.config import EngineConfig
@@ -300,7 +300,7 @@ def test_streams_open_at_sigkill_are_billed_what_they_delivered(tmp_path):
                "SERVEGATE_CHECKPOINT_S": "0.25"}
 
         def start(port: int) -> subprocess.Popen:
-            command = ["servegate", "serve", "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
+            command = [*servegate_command(port), "--config", str(config)]
             process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             wait_ready(f"http://127.0.0.1:{port}", process=process)
             return process
