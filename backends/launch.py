@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import httpx
@@ -176,8 +177,10 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def supervised(argv: list[str], url: str, ready_path: str, env: dict[str, str] | None = None,
-               timeout_s: float = 600.0, headers: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
-    """Run a server until the block ends; yields its process once `url + ready_path` answers 200.
+               timeout_s: float = 600.0, headers: dict[str, str] | None = None,
+               cwd: Path | None = None) -> Iterator[subprocess.Popen]:
+    """Run a server (in `cwd`, if given) until the block ends; yields its process once
+    `url + ready_path` answers 200.
     llama.cpp servers run with the kernels this CPU can run (`cpu.for_this_cpu`). Its output
     goes to a temporary log, quoted when it fails to start. Stops it with SIGTERM, then SIGKILL
     after a grace period."""
@@ -186,7 +189,7 @@ def supervised(argv: list[str], url: str, ready_path: str, env: dict[str, str] |
 
     with tempfile.TemporaryFile("w+") as log:
         process = subprocess.Popen(for_this_cpu(argv), env={**os.environ, **(env or {})}, stdout=log,
-                                   stderr=subprocess.STDOUT)
+                                   stderr=subprocess.STDOUT, cwd=cwd)
         try:
             deadline = time.monotonic() + timeout_s
             while True:

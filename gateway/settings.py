@@ -88,6 +88,9 @@ class Settings(BaseSettings):
     breaker_cooldown_s: float = 10.0
     # The largest request body accepted (413 beyond it).
     max_body_bytes: int = 8 * 1024 * 1024
+    # A body larger than this (or of undeclared size) is read only once its sender is known to have
+    # quota left: its key and quotas are checked from the headers first.
+    gate_body_bytes: int = 256 * 1024
     # `/metrics` answers loopback clients freely; others must send this token as a bearer.
     metrics_token: str | None = None
 

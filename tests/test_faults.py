@@ -121,6 +121,22 @@ def test_a_large_prompt_over_its_tenants_quota_is_refused_before_it_is_tokenized
     assert not encoded, "the prompt was tokenized for a tenant already over its quota"
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize", "/generate"])
+def test_a_large_body_from_a_caller_over_quota_is_refused_before_it_is_read(engine_gw, path):
+    """Headers declaring 5 MB and no body at all: the refusal comes from the headers alone."""
+    import socket
+
+    _, key = new_tenant(engine_gw, rpm=1)
+    assert httpx.post(f"{engine_gw.url}/tokenize", headers=bearer(key), json={"inputs": "hi"}).status_code == 200
+    host, port = engine_gw.url.removeprefix("http://").split(":")
+    for token, status in ((key, 429), ("sg_00000000_" + "x" * 43, 401)):
+        with socket.create_connection((host, int(port)), timeout=5) as connection:
+            connection.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+                               "Content-Type: application/json\r\nContent-Length: 5000000\r\n\r\n".encode())
+            head = connection.recv(4096).decode()
+        assert head.startswith(f"HTTP/1.1 {status}"), head[:200]
+
+
 # -- 3: one impossible figure from an upstream, or in a spool, stops nothing ----------------------------
 @pytest.mark.parametrize("with_redis", [False, pytest.param(True, marks=needs_redis)], ids=["in-process", "redis"])
 def test_an_upstream_reporting_2_to_the_63_prompt_tokens_poisons_no_later_request(tmp_path, with_redis):
