@@ -65,7 +65,18 @@ class Usage:
 # The largest token count any runtime here takes (int32): larger ones, from a client or an upstream,
 # are refused or ignored before they reach quotas (Redis' Lua numbers), the ledger or a runtime.
 MAX_TOKENS = 2**31 - 1
-NANO_USD_PER_USD = 10**9  # money is counted in whole nano-dollars: exact, and a token at $0.001/M is 1
+NANO_USD_PER_USD = 10**9
+
+
+def reported_count(value: object) -> int:
+    """A count a runtime reported (a context length, a token count, a gauge) as a whole number in
+    [0, MAX_TOKENS]; 0 for anything else: negative, past int32, NaN, infinite, not a number, or a
+    string of thousands of digits (which `int()` refuses with a ValueError)."""
+    if isinstance(value, str) and value.isdigit() and len(value) <= 10:
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_TOKENS:
+        return 0  # NaN fails the range test too
+    return int(value)  # money is counted in whole nano-dollars: exact, and a token at $0.001/M is 1
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from .base import (
     Unavailable,
     UpstreamError,
     Usage,
+    reported_count,
     text_only,
 )
 from .cpu import llama_cpp_safe
@@ -83,7 +84,7 @@ class LlamaCppServerBackend(OpenAICompatBackend):
         if not self.python_server:
             self.props = await self.get_json("/props")
             n_ctx = (self.props.get("default_generation_settings") or {}).get("n_ctx")
-            self._max_context = self._max_context or int(n_ctx or 0)
+            self._max_context = self._max_context or reported_count(n_ctx)
 
     async def capabilities(self) -> Capabilities:
         return Capabilities(runtime=self.config.runtime, version=str(self.props.get("build_info", "")),
@@ -106,8 +107,8 @@ class LlamaCppServerBackend(OpenAICompatBackend):
         default): the slots processing a request. llama-cpp-python's server has neither."""
         m = await self.scrape()
         if m or self.python_server:
-            return Load(running=int(m.total("llamacpp:requests_processing")),
-                        waiting=int(m.total("llamacpp:requests_deferred")),
+            return Load(running=reported_count(m.total("llamacpp:requests_processing")),
+                        waiting=reported_count(m.total("llamacpp:requests_deferred")),
                         details=m.pick(prompt_tokens_total="llamacpp:prompt_tokens_total",
                                        tokens_predicted_total="llamacpp:tokens_predicted_total"))
         slots = await self.get_json("/slots", list)
@@ -195,7 +196,7 @@ class LlamaCppServerBackend(OpenAICompatBackend):
             else ("/tokenize", {"content": text, "add_special": True})
         async with await self._post(path, body, timeout=aiohttp.ClientTimeout(total=30)) as response:
             answer = await response.json(content_type=None)
-        return int(answer["count"]) if self.python_server else len(answer["tokens"])
+        return reported_count(answer["count"]) if self.python_server else len(answer["tokens"])
 
     async def exact_prompt_tokens(self, request: GenerateRequest) -> int | None:
         """A text prompt by the server's tokenizer; a chat first rendered by llama-server's

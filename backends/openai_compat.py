@@ -36,6 +36,7 @@ from .base import (
     Unavailable,
     UpstreamError,
     Usage,
+    reported_count,
 )
 from .constraints import respelled
 from .timing import StreamTimer
@@ -193,7 +194,7 @@ class OpenAICompatBackend(Backend):
         except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
             return 0
         mine = next((m for m in models if m.get("id") == self.config.model), {})
-        return int(mine.get("max_model_len") or 0)
+        return reported_count(mine.get("max_model_len"))
 
     async def capabilities(self) -> Capabilities:
         return Capabilities(runtime=self.config.runtime, version="", model=self.config.model,
@@ -374,7 +375,7 @@ def error_from_body(event: dict) -> BackendError:
     message, kind = error_parts(event)
     detail = event.get("error") if isinstance(event.get("error"), dict) else {}
     code = str(detail.get("code") or detail.get("http_status_code") or "")
-    if code.isdigit():
+    if code.isdigit() and len(code) == 3:  # an HTTP status, not any number an upstream may send
         return error_for(int(code), message, kind)
     client_error = kind == "invalid_request_error" or says_too_long(message, kind)
     return error_for(400 if client_error else 502, message, kind)

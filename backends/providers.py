@@ -38,6 +38,7 @@ from .base import (
     Unavailable,
     UpstreamError,
     Usage,
+    reported_count,
 )
 
 REFUSED = ("connection refused", "connect call failed", "all connection attempts failed", "cannot connect")
@@ -108,7 +109,7 @@ class ProviderBackend(Backend):
         except Exception:  # noqa: BLE001  (litellm raises a bare Exception for unmapped models)
             info = {}
         if not self.config.max_context:
-            self.config.max_context = int(info.get("max_input_tokens") or info.get("max_tokens") or 0)
+            self.config.max_context = reported_count(info.get("max_input_tokens") or info.get("max_tokens"))
         self.price = list_price(info)
 
     def _arguments(self, request: GenerateRequest) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from . import fields
-from .base import Capabilities, Delta, Event, Finish, GenerateRequest, Load, UpstreamError, Usage
+from .base import Capabilities, Delta, Event, Finish, GenerateRequest, Load, UpstreamError, Usage, reported_count
 from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_from_body
 
 
@@ -71,7 +71,7 @@ class SGLangBackend(OpenAICompatBackend):
         await super().start()
         self.server_info = await self.get_json("/server_info")
         if not self._max_context:  # `context_length` is a server argument; null when the model's own applies
-            self._max_context = int(self.server_info.get("context_length") or 0)
+            self._max_context = reported_count(self.server_info.get("context_length"))
 
     async def capabilities(self) -> Capabilities:
         return Capabilities(runtime="sglang", version=str(self.server_info.get("version", "")), model=self.config.model,
@@ -81,7 +81,8 @@ class SGLangBackend(OpenAICompatBackend):
     async def load(self) -> Load:
         m = await self.scrape()  # empty unless the server runs with --enable-metrics
         return Load(
-            running=int(m.total("sglang:num_running_reqs")), waiting=int(m.total("sglang:num_queue_reqs")),
+            running=reported_count(m.total("sglang:num_running_reqs")),
+            waiting=reported_count(m.total("sglang:num_queue_reqs")),
             kv_usage=m.mean("sglang:token_usage") or 0.0, prefix_hit_rate=m.mean("sglang:cache_hit_rate"),
             details=m.pick(prompt_tokens_total="sglang:prompt_tokens_total",
                            cached_tokens_total="sglang:cached_tokens_total",

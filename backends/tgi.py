@@ -27,6 +27,7 @@ from .base import (
     TokenSpan,
     UpstreamError,
     Usage,
+    reported_count,
 )
 from .openai_compat import OpenAICompatBackend, OpenAICompatConfig, error_from_status, message_of, says_too_long
 
@@ -54,7 +55,7 @@ class TGIBackend(OpenAICompatBackend):
         self.config.runtime = "tgi"
         await super().start()
         self._info = await self.get_json("/info")
-        self._max_context = self.config.max_context or int(self._info.get("max_total_tokens") or 0)
+        self._max_context = self.config.max_context or reported_count(self._info.get("max_total_tokens"))
 
     def error_for_status(self, status: int, body: bytes) -> BackendError:
         try:
@@ -124,7 +125,8 @@ class TGIBackend(OpenAICompatBackend):
     async def load(self) -> Load:
         """From TGI's `tgi_*` metrics: the running batch and the queue."""
         m = await self.scrape()
-        return Load(running=int(m.total("tgi_batch_current_size")), waiting=int(m.total("tgi_queue_size")),
+        return Load(running=reported_count(m.total("tgi_batch_current_size")),
+                    waiting=reported_count(m.total("tgi_queue_size")),
                     details=m.pick(batch_current_max_tokens="tgi_batch_current_max_tokens"))
 
     async def capabilities(self) -> Capabilities:

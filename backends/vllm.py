@@ -8,7 +8,7 @@ limits refuse one (so clients retry elsewhere)."""
 from __future__ import annotations
 
 from . import fields
-from .base import Capabilities, GenerateRequest, Load, TokenSpan
+from .base import Capabilities, GenerateRequest, Load, TokenSpan, reported_count
 from .openai_compat import OpenAICompatBackend, OpenAICompatConfig
 from .tokenization import spans, vocabulary_bytes
 
@@ -49,7 +49,9 @@ class VLLMBackend(OpenAICompatBackend):
             async with self.client.post("/tokenize", json=body) as response:
                 if response.status != 200:
                     raise self.error_for_status(response.status, await response.read())
-                count = int((await response.json(content_type=None))["count"])
+                count = reported_count((await response.json(content_type=None))["count"])
+            if not count:  # no count a prompt can have: the reservation's stands
+                return None
         keep = request.extra.get("truncate_prompt_tokens")
         return min(count, keep) if isinstance(keep, int) and keep > 0 else count
 
@@ -67,7 +69,8 @@ class VLLMBackend(OpenAICompatBackend):
         m = await self.scrape()
         queries = m.total("vllm:prefix_cache_queries_total")
         return Load(
-            running=int(m.total("vllm:num_requests_running")), waiting=int(m.total("vllm:num_requests_waiting")),
+            running=reported_count(m.total("vllm:num_requests_running")),
+            waiting=reported_count(m.total("vllm:num_requests_waiting")),
             kv_usage=m.mean("vllm:kv_cache_usage_perc") or 0.0,
             prefix_hit_rate=m.total("vllm:prefix_cache_hits_total") / queries if queries else None,
             details=m.pick(preemptions_total="vllm:num_preemptions_total",

@@ -207,6 +207,16 @@ def test_a_dead_ledger_writer_turns_ready_unready_until_it_is_restarted(engine_g
     assert httpx.get(f"{engine_gw.url}/metrics").text.count("servegate_usage_quarantined_records") >= 1
 
 
+def test_numbers_a_runtime_reports_are_bounded_before_use():
+    from backends.base import UpstreamError, reported_count
+    from backends.openai_compat import error_from_body
+
+    figures = (4096, "4096", -1, 2**63, float("nan"), float("inf"), "9" * 5000, True, None, 1500.0)
+    assert [reported_count(v) for v in figures] == [4096, 4096, 0, 0, 0, 0, 0, 0, 0, 1500]
+    # an error event's code of 5,000 digits (int() refuses past 4,300) is no HTTP status
+    assert isinstance(error_from_body({"error": {"message": "x", "code": "9" * 5000}}), UpstreamError)
+
+
 # -- 4: what becomes prompt tokens is reserved -----------------------------------------------------
 def test_tools_and_template_arguments_count_in_a_remote_backends_reservation(tmp_path):
     tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": "Looks a thing up. " * 5,
