@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -58,8 +59,14 @@ class LargeBodyGate:
     """A large body is read and parsed as JSON on the event loop, tens of milliseconds for a few
     megabytes: before that, its sender must be a caller with quota left. A POST whose body is
     declared over `threshold` bytes, or not declared, is authenticated and checked against its
-    tenant's quotas from its headers alone; refused, its body is never read. Smaller ones pass
-    as they are: their own checks come after parsing, at no cost worth saving."""
+    tenant's quotas from its headers alone; refused, its body is never read, and the refusal is
+    held for about `REFUSAL_PAUSE_S` first (jittered, so held refusals do not end together): a
+    client that posts megabytes again at once after a 429 costs the gateway its connections and
+    the copying of its bytes, hundreds of times a second, where a held refusal costs a sleeping
+    task. Smaller bodies pass as they are: their own checks come after parsing, at no cost worth
+    saving."""
+
+    REFUSAL_PAUSE_S = 1.0
 
     def __init__(self, app, gateway: Gateway, threshold: int) -> None:
         self.app, self.gateway, self.threshold = app, gateway, threshold
@@ -84,6 +91,7 @@ class LargeBodyGate:
             error = refused
         else:
             return await self.app(scope, receive, send)
+        await asyncio.sleep(self.REFUSAL_PAUSE_S * random.uniform(0.5, 1.5))
         await error_response(request, error)(scope, receive, send)
 
 
