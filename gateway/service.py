@@ -127,10 +127,14 @@ class Gateway:
                                                record["cost_nano_usd"]))
 
     async def _recoveries(self) -> None:
-        """Other replicas sharing the spool directory may die while this one runs."""
+        """Other replicas sharing the spool directory may die while this one runs; a dead one's
+        spool waits for a database that cannot be reached (no fault of this task's)."""
         while True:
             await asyncio.sleep(self.settings.recover_s)
-            await self._recover()
+            try:
+                await self._recover()
+            except ledger.UNREACHABLE as exc:
+                log.warning("spool recovery waits for the database: %s", str(exc).splitlines()[0])
 
     async def _checkpoints(self) -> None:
         """What each open stream has delivered, written beside the spool every `checkpoint_s`."""
