@@ -32,6 +32,7 @@ from backends.base import (
     Backend,
     BackendError,
     BackendTimeout,
+    Capabilities,
     ContextTooLong,
     Delta,
     Event,
@@ -188,9 +189,9 @@ class Call:
         if cap is not None and max_tokens is None:
             self.greq = dataclasses.replace(self.greq, max_tokens=cap)
         backend = self.decision.candidates[0]
-        context = (await backend.capabilities()).max_context
-        scopes, n = self.principal.quota_scopes(), self.greq.n
-        self.price = price = await self._price(backend)
+        capabilities = await backend.capabilities()
+        context, scopes, n = capabilities.max_context, self.principal.quota_scopes(), self.greq.n
+        self.price = price = self._price(capabilities)
         at_least = backend.min_prompt_tokens(self.greq)
         if context and at_least > context:
             raise ContextTooLong(f"This prompt holds at least {at_least} tokens, more than the model's context of "
@@ -217,9 +218,9 @@ class Call:
                                "(SERVEGATE_QUOTA_REDIS_DOWN=closed).", "service_unavailable",
                                code="quota_store_unavailable", headers={"Retry-After": "1"}) from None
 
-    async def _price(self, backend: Backend) -> Price | None:
+    def _price(self, capabilities: Capabilities) -> Price | None:
         """The configured price of the model asked for, else the backend's list price."""
-        return self.env.settings.prices.get(self.decision.model) or (await backend.capabilities()).price
+        return self.env.settings.prices.get(self.decision.model) or capabilities.price
 
     # -- the stream ---------------------------------------------------------------------
     async def _events(self) -> AsyncIterator[Event]:
@@ -230,7 +231,7 @@ class Call:
             for number, backend in enumerate(candidates, 1):
                 self.backend = backend
                 if self.billed and number > 1:  # the first candidate's price was read when reserving
-                    self.price = await self._price(backend)
+                    self.price = self._price(await backend.capabilities())
                 span, headers = self.trace.backend_call(self.greq, backend.name)
                 usage, reasons, failure = None, (), None
                 try:

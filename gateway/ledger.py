@@ -56,6 +56,10 @@ class Refused(ValueError):
     """A record the ledger will not store, and why."""
 
 
+class Torn(Refused):
+    """A line that is not JSON: a write a crash cut short."""
+
+
 @dataclass(frozen=True)
 class Recovered:
     """What a dead process left: records ingested, and the streams it had open, billed as
@@ -120,9 +124,11 @@ class UsageLedger:
         for line in lines:
             try:
                 records.append(parse(line))
+            except Torn as torn:
+                if not torn_ok:
+                    self.quarantine(line, str(torn))
             except Refused as refused:
-                if not (torn_ok and refused.args[0].startswith("not JSON")):
-                    self.quarantine(line, str(refused))
+                self.quarantine(line, str(refused))
         try:
             self._insert(records)
             return len(records)
@@ -274,7 +280,7 @@ def parse(line: bytes) -> dict:
     try:
         record = json.loads(line)
     except ValueError as exc:
-        raise Refused(f"not JSON: {exc}") from None
+        raise Torn(f"not JSON: {exc}") from None
     if not isinstance(record, dict) or not isinstance(record.get("request_id"), str):
         raise Refused("not a usage record (no request_id)")
     row = {name: record[name] for name in UsageRecord.model_fields if name in record}
