@@ -78,11 +78,36 @@ def advise_command(
     output_format: Annotated[str, typer.Option("--format", help="md | html | json")] = "md",
     output: Annotated[Path | None, typer.Option(help="Write the report here (default: stdout).")] = None,
     list_hardware: Annotated[bool, typer.Option("--list-hardware", help="List the hardware catalogue.")] = False,
+    calibration: Annotated[bool, typer.Option(
+        "--calibration", help="Print the performance model's error against every published measurement of "
+                              "policies/catalog/calibration.yaml: per point, per regime, per runtime pair, and with "
+                              "each source left out of the fit in turn.")] = False,
+    search: Annotated[bool, typer.Option(
+        "--search", help="Search deployments of --model over a pool (--hardware x --gpus-per-node x --nodes): "
+                         "TP x PP x data/attention-DP x EP, precisions, aggregated or disaggregated, per runtime; "
+                         "report the Pareto frontier, the cheapest within --slo and the fewest GPUs for "
+                         "--target-rate.")] = False,
+    nodes: Annotated[int, typer.Option(help="With --search: nodes in the pool.", min=1)] = 1,
+    gpus_per_node: Annotated[int, typer.Option(help="With --search: GPUs per node.", min=1)] = 8,
+    price_per_gpu_hour: Annotated[float | None, typer.Option(help="With --search: $ per GPU-hour.")] = None,
+    slo: Annotated[str | None, typer.Option(help="With --search: percentile SLOs, e.g. "
+                                                 "'ttft:p90<300ms;tpot:p99<50ms'.")] = None,
+    target_rate: Annotated[float | None, typer.Option(help="With --search: requests/s to serve.")] = None,
+    refit: Annotated[bool, typer.Option(
+        "--refit", help="With --calibration: fit the efficiencies to the points first and write "
+                        "policies/catalog/perf-fit.yaml (with each regime's error range).")] = False,
 ) -> None:
     """Recommend a serving runtime: exclude what the support matrices rule out, rank the rest by
     estimated SLO goodput, and give the commands to start and measure them."""
     if list_hardware:
         _list_hardware()
+        return
+    if calibration or refit:
+        _calibration(refit, output_format, output)
+        return
+    if search:
+        _search(model, hardware, nodes, gpus_per_node, price_per_gpu_hour, slo, target_rate, prompt_tokens,
+                output_tokens, runtimes, output_format, output)
         return
     if output_format not in ("md", "html", "json"):
         raise typer.BadParameter(f"{output_format!r}: md, html or json", param_hint="--format")
@@ -130,6 +155,74 @@ def advise_command(
         console.print(f"{report.summary}\nreport written to {output}")
     else:
         typer.echo(text)
+
+
+def _search(model: str | None, hardware: str, nodes: int, gpus_per_node: int, price: float | None, slo: str | None,
+            target_rate: float | None, prompt_tokens: int, output_tokens: int, runtimes: str | None,
+            output_format: str, output: Path | None) -> None:
+    from .perf import frontier
+    from .perf.search import BadSLO, Pool, parse_slos
+    from .perf.search import search as run_search
+
+    if model is None:
+        raise typer.BadParameter("a model is required (a catalogue id or a local path)", param_hint="--model")
+    for flag, value in (("--price-per-gpu-hour", price), ("--target-rate", target_rate)):
+        if value is not None and not (value > 0 and value != float("inf")):
+            raise typer.BadParameter(f"{value:g}: must be a positive number", param_hint=flag)
+    if prompt_tokens < 1 or output_tokens < 1:
+        raise typer.BadParameter("--prompt-tokens and --output-tokens must be at least 1")
+    try:
+        spec = resolve_model(model)
+        device = resolve_hardware(hardware, row_width=spec.hidden_size)
+        slos = parse_slos(slo or "ttft:p90<2000ms;tpot:p90<50ms")
+    except (UnknownModel, UnknownHardware, MissingArchitectureField, BadSLO, FileNotFoundError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    chosen = runtimes.split(",") if runtimes else ["vllm", "sglang", "tensorrt-llm", "lmdeploy"] if device.gpu \
+        else ["builtin", "vllm", "llama-cpp"]
+    unknown = [r for r in chosen if r not in KNOWN_RUNTIMES]
+    if unknown:
+        raise typer.BadParameter(f"unknown runtimes {unknown}: choose from {', '.join(KNOWN_RUNTIMES)}",
+                                 param_hint="--runtimes")
+    result = run_search(spec, Pool(device, gpus_per_node, nodes, price), prompt_tokens, output_tokens, slos, chosen,
+                        target_rate)
+    title = (f"{spec.id} on {nodes} x {gpus_per_node} x {device.id}, {prompt_tokens} prompt + {output_tokens} "
+             f"output tokens, {slo or 'ttft:p90<2000ms;tpot:p90<50ms'}")
+    text = {"md": frontier.to_markdown, "html": frontier.to_html}.get(output_format, lambda r, _: frontier.to_json(r))(
+        result, title) if output_format != "json" else frontier.to_json(result)
+    if output:
+        output.write_text(text)
+        console.print(f"{result['searched']} options; report written to {output}")
+    else:
+        typer.echo(text)
+
+
+KNOWN_RUNTIMES = ("vllm", "sglang", "tensorrt-llm", "lmdeploy", "llama-cpp", "tgi", "builtin", "ollama")
+
+
+def _calibration(refit: bool, output_format: str, output: Path | None) -> None:
+    from .perf.calibration import calibrate, intervals, points, to_text
+    from .perf.efficiency import FIT, fitted
+    from .perf.fit import fit
+
+    eff = fit(points(), fitted(), rounds=4) if refit else fitted()
+    report = calibrate(eff)
+    if refit:
+        import yaml
+
+        FIT.write_text(FIT_HEADER + yaml.safe_dump({**eff.to_dict(), "residuals": intervals(report)},
+                                                   sort_keys=False))
+        console.print(f"fitted on {len(points())} points, written to {FIT}")
+    text = json.dumps(report.to_dict(), indent=2) if output_format == "json" else to_text(report)
+    if output:
+        output.write_text(text)
+    else:
+        typer.echo(text)
+
+
+FIT_HEADER = ("# Written by `servegate advise --calibration --refit`: the performance model's efficiencies fitted to\n"
+              "# policies/catalog/calibration.yaml, and per regime the 10th-90th percentile of measured / estimated\n"
+              "# with each point's source left out of the fit (the range every estimate carries).\n")
 
 
 def _list_hardware() -> None:

@@ -31,11 +31,13 @@ class Hardware:
     bandwidth_gbs: float
     bf16_tflops: float | None = None
     fp8_tflops: float | None = None
+    fp4_tflops: float | None = None  # dense FP4 (NVFP4/MXFP4) tensor-core peak, where the device has one
     compute_capability: str | None = None
     interconnect: str = ""
     link_gbs: float | None = None  # to peers, one direction, GB/s: what tensor-parallel all-reduces move over
     source: str = ""
     link_source: str = ""
+    flops_source: str = ""  # where the FLOPS figures come from, when not from `source`
     note: str = ""
     measured: bool = False  # figures read off this machine, not a datasheet
 
@@ -55,7 +57,8 @@ def catalogue() -> dict[str, Hardware]:
     data = yaml.safe_load(CATALOG.read_text())
     refs = {key: source["ref"] for key, source in data["sources"].items()}
     return {key: Hardware(id=key, **{**entry, "source": refs[entry["source"]],
-                                     "link_source": refs[entry.get("link_source", entry["source"])]})
+                                     "link_source": refs[entry.get("link_source", entry["source"])],
+                                     "flops_source": refs[entry.get("flops_source", entry["source"])]})
             for key, entry in data["devices"].items()}
 
 

@@ -56,6 +56,7 @@ class ModelSpec:
     scaling_note: str = ""
     weights_bytes: float | None = None  # exact, when read from the weight files
     source: str = ""
+    heads: int = 0  # query heads
 
     @property
     def moe(self) -> bool:
@@ -135,7 +136,7 @@ def _from_config(name: str, cfg: dict, source: str, total: float | None = None, 
     fmt = checkpoint or _DTYPES.get(str(text.get("torch_dtype") or cfg.get("torch_dtype") or "bfloat16"), "bf16")
     return ModelSpec(name, ARCHITECTURES.get(text.get("model_type", ""), ""), arch, float(total), float(active),
                      int(context), heads * query_dim, int(text.get("hidden_size") or text.get("n_embd") or 0), fmt,
-                     Experts.from_config(text), exact.bytes if exact else None, source)
+                     Experts.from_config(text), exact.bytes if exact else None, source, heads=int(heads))
 
 
 def _from_gguf(path: Path) -> ModelSpec:

@@ -175,7 +175,7 @@ def servegate_env() -> Iterator[tuple[dict[str, str], str]]:
 # llama-cpp-default keeps the server's default interrupt_requests=True, to show what it does; vllm
 # is vLLM's CPU build from its own environment (`python -m backends.peers vllm`).
 SYSTEMS = ("builtin", "builtin-bf16", "builtin-fp32", "builtin-int8", "hf-static", "llama-cpp", "llama-cpp-default",
-           "vllm", "vllm-fp32")
+           "llama-server", "vllm", "vllm-fp32")
 
 
 def system_of(name: str) -> str:
@@ -221,6 +221,12 @@ def system_target(name: str, model: str | None = None, flags: Sequence[str] = ()
     elif name in ("llama-cpp", "llama-cpp-default"):
         command = llama_cpp_command(gguf, port, interrupt_requests=name == "llama-cpp-default") + list(flags)
         with supervised(command, url, "/v1/models", None, 300) as server:
+            yield OpenAITarget(url, server_pid=server.pid)
+    elif name == "llama-server":  # llama.cpp's own server (4 slots, as its -np auto default), built by backends.peers
+        from backends import peers
+
+        command = peers.llama_server_command(gguf, port, "default", slots=4) + list(flags)
+        with supervised(command, url, "/health", None, 300) as server:
             yield OpenAITarget(url, server_pid=server.pid)
     elif name in ("vllm", "vllm-fp32"):
         from backends import peers

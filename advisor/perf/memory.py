@@ -1,0 +1,44 @@
+"""How many tokens of KV cache one engine rank holds: the device's memory under the runtime's
+own budget semantics (a share of the total, a share of what the weights left free, or all of the
+usable memory), less the weights one GPU holds and the reserve."""
+
+from __future__ import annotations
+
+from policies.matrix import matrices
+
+from ..capacity import memory_plan
+from ..models import ModelSpec
+from .deployment import Deployment
+from .steps import StepCost
+
+GIB = 2**30
+
+
+def weight_bytes_per_gpu(model: ModelSpec, d: Deployment) -> float:
+    """The shared weights split by TP and PP; the experts across every GPU of a stage (with
+    attention DP, all the ranks' GPUs), whatever the EP/MoE-TP split of them."""
+    total = model.weight_bytes(d.weights)
+    experts = 0.0
+    if model.experts:
+        dense_only = ModelSpec(**{**model.__dict__, "experts": None, "params_total": model.params_total
+                                  - model.experts.routed_params})
+        experts = total - dense_only.weight_bytes(d.weights)
+        total -= experts
+    return total / (d.tp * d.pp) + experts / (d.tp * (d.dp if d.attention_dp else 1) * d.pp)
+
+
+def kv_tokens(model: ModelSpec, d: Deployment, cost: StepCost, context: int) -> int:
+    """KV tokens per rank (0 when the weights do not fit)."""
+    hw = d.hardware
+    m = matrices().get(d.runtime) or matrices()["vllm"]
+    weights = weight_bytes_per_gpu(model, d)
+    reserved = (3.5e9 + (0.4e9 if d.tp * d.pp > 1 else 0)) if hw.gpu else 0.8e9 + 0.05 * weights
+    if m.memory.fraction_covers == "weights_and_kv":
+        reserved = 0.0
+    if m.memory.fraction_of == "none":
+        capacity, fraction = hw.memory_gib * GIB * hw.usable_share, None
+    else:
+        capacity, fraction = hw.memory_gib * GIB, m.memory.fraction_for(hw.memory_gib, d.tp * d.pp)
+    plan = memory_plan(capacity, weights, cost.kv_per_token, context, m.memory.fraction_of, fraction,
+                       reserved)
+    return plan.kv_tokens

@@ -1,0 +1,156 @@
+"""The advisor's performance model: the step simulator against its own step costs, prefill and
+queueing charged where they happen, runtimes told apart, the deployment search, and the
+calibration set's integrity."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+
+import pytest
+
+from advisor.hardware import resolve as hardware
+from advisor.models import resolve as model
+from advisor.perf.calibration import points, sources
+from advisor.perf.deployment import Deployment, divides
+from advisor.perf.efficiency import fitted
+from advisor.perf.predict import percentile, predict
+from advisor.perf.schedulers import scheduler
+from advisor.perf.search import BadSLO, Pool, parse_slos, search
+from advisor.perf.simulate import Traffic, simulate
+from advisor.perf.steps import Step, StepCost
+
+LLAMA8 = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def test_one_request_costs_one_prefill_then_its_decode_steps():
+    m, d = model(LLAMA8), Deployment("vllm", hardware("h100-sxm"), weights="fp8", kv="fp8")
+    cost = StepCost(m, d, fitted())
+    out = simulate(cost, scheduler("vllm", d.hardware), 100_000, Traffic(1000, 101, load="concurrency", requests=1))
+    prefill = cost.seconds(Step(prefill=1000, prefill_context=1000 * 500))
+    assert out.ttft[0] == pytest.approx(prefill, rel=1e-6)
+    decode_mid = cost.seconds(Step(decodes=1, decode_context=1050))
+    assert out.tpot[0] == pytest.approx(decode_mid, rel=0.02)
+
+
+def test_prefill_is_charged_to_the_batch_that_waits_for_it():
+    """2,048-token prompts with 128 output tokens cannot finish faster than the device prefills
+    them: the closed-form capacity seqs / (TTFT + OSL x TPOT) overstated this 5-9x."""
+    m, d = model(LLAMA8), Deployment("vllm", hardware("h100-sxm"), weights="fp8", kv="fp8")
+    heavy = predict(m, d, Traffic(2048, 128, load="offline", requests=2000))
+    cost = StepCost(m, d, fitted())
+    prefill_limit = 8192 / cost.seconds(Step(prefill=8192, prefill_context=8192 * 1024)) / 2048  # req/s
+    assert heavy.requests_per_s <= prefill_limit
+    light = predict(m, d, Traffic(128, 128, load="offline", requests=2000))
+    assert light.requests_per_s > 3 * heavy.requests_per_s
+
+
+def test_queueing_grows_latency_as_the_rate_nears_capacity():
+    """vLLM admits up to 1,024 sequences, so an overload shows in the whole request's time (the
+    steps grow); a server with 4 slots makes the rest wait for their first token."""
+    m, d = model(LLAMA8), Deployment("vllm", hardware("h100-sxm"), weights="fp8", kv="fp8")
+    capacity = predict(m, d, Traffic(1024, 256, load="offline", requests=1500)).requests_per_s
+    calm = predict(m, d, Traffic(1024, 256, load="rate", rate=0.2 * capacity, requests=600))
+    busy = predict(m, d, Traffic(1024, 256, load="rate", rate=1.3 * capacity, requests=600))
+    assert busy.latency("e2e", 99) > 3 * calm.latency("e2e", 99)
+    assert busy.latency("ttft", 50) <= busy.latency("ttft", 90) <= busy.latency("ttft", 99)
+    slots = replace(d, runtime="llama-cpp")
+    few = predict(m, slots, Traffic(1024, 256, load="rate", rate=2.0, requests=200))
+    many = predict(m, slots, Traffic(1024, 256, load="rate", rate=8.0, requests=200))
+    assert many.latency("ttft", 90) > 10 * few.latency("ttft", 90)
+
+
+def test_a_full_cache_preempts_and_still_finishes_everything():
+    m, d = model(LLAMA8), Deployment("vllm", hardware("h100-sxm"), weights="fp8", kv="fp8")
+    cost = StepCost(m, d, fitted())
+    out = simulate(cost, scheduler("vllm", d.hardware), 40_000, Traffic(500, 1500, load="offline", requests=200))
+    assert out.completed == 200 and out.preemptions > 0
+    no_evict = simulate(cost, scheduler("tensorrt-llm", d.hardware), 40_000,
+                        Traffic(500, 1500, load="offline", requests=200))
+    assert no_evict.completed == 200 and no_evict.preemptions == 0
+
+
+def test_runtimes_are_told_apart_by_their_schedulers():
+    """Prefill-first steps (SGLang) against mixed steps (vLLM) on one workload: different TTFT and
+    TPOT; a 4-slot llama.cpp server queues a 64-client load."""
+    m = model(LLAMA8)
+    figures = {r: predict(m, Deployment(r, hardware("h100-sxm"), weights="fp8", kv="fp8"),
+                          Traffic(2048, 256, load="concurrency", concurrency=64, requests=400))
+               for r in ("vllm", "sglang", "tensorrt-llm", "llama-cpp")}
+    ttft = {r: f.latency("ttft", 50) for r, f in figures.items()}
+    tpot = {r: f.latency("tpot", 50) for r, f in figures.items()}
+    assert len({round(v, 1) for v in ttft.values()}) == 4
+    assert abs(tpot["sglang"] - tpot["vllm"]) > 0.05 * tpot["vllm"]  # separate prefill steps, or chunks in each
+    assert ttft["llama-cpp"] > 5 * ttft["vllm"]  # 60 of 64 clients wait for a slot
+
+
+def test_fp4_arithmetic_and_apple_flops_are_modelled():
+    m = model("meta-llama/Llama-3.1-70B-Instruct")
+    b200 = hardware("b200")
+    fp8 = predict(m, Deployment("tensorrt-llm", b200, weights="fp8", kv="fp8"), Traffic(2048, 128, load="offline"))
+    fp4 = predict(m, Deployment("tensorrt-llm", b200, weights="nvfp4", kv="fp8"), Traffic(2048, 128, load="offline"))
+    assert fp4.output_tokens_per_s > 1.3 * fp8.output_tokens_per_s
+    mac = Deployment("llama-cpp", hardware("m3-max"), weights="Q4_K_M")
+    one = predict(model(LLAMA8), mac, Traffic(512, 128, load="concurrency", concurrency=1, requests=4))
+    many = predict(model(LLAMA8), mac, Traffic(512, 128, load="concurrency", concurrency=4, requests=16))
+    assert many.output_tokens_per_s < 3.5 * one.output_tokens_per_s  # batching on an M3 Max is not free
+
+
+def test_percentile_is_linear_between_order_statistics():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([], 50) is None
+
+
+def test_splits_that_do_not_divide_are_named():
+    llama = model("meta-llama/Llama-3.1-70B-Instruct")
+    assert "attention heads" in divides(llama, Deployment("vllm", hardware("h100-sxm"), tp=3))
+    ds = model("deepseek-ai/DeepSeek-V3")
+    assert "routed experts" in divides(ds, Deployment("vllm", hardware("h200"), ep=3, dp=3, attention_dp=True))
+    assert divides(ds, Deployment("vllm", hardware("h200"), ep=16, dp=16, attention_dp=True)) is None
+
+
+def test_slos_parse_or_say_how_to_write_them():
+    assert parse_slos("ttft:p90<300ms; tpot:p99<0.05s") == [("ttft", "p90", 300.0), ("tpot", "p99", 50.0)]
+    for bad in ("ttft<300", "tpot:p99<fast", "latency:p50<3ms"):
+        with pytest.raises(BadSLO, match="METRIC:STAT<VALUE"):
+            parse_slos(bad)
+
+
+def test_search_70b_on_two_h100_nodes_is_fast_and_its_frontier_is_not_dominated():
+    started = time.perf_counter()
+    result = search(model("meta-llama/Llama-3.1-70B-Instruct"), Pool(hardware("h100-sxm"), 8, 2, 2.5), 2048, 256,
+                    parse_slos("ttft:p90<2000ms;tpot:p90<50ms"), ["vllm", "sglang", "tensorrt-llm", "lmdeploy"],
+                    target_rate=20)
+    assert time.perf_counter() - started < 30
+    frontier = result["frontier"]
+    assert frontier and result["searched"] > 100
+    for a in frontier:
+        assert not any(b["tokens_per_s_per_gpu"] > a["tokens_per_s_per_gpu"]
+                       and b["tokens_per_s_per_user"] > a["tokens_per_s_per_user"] for b in result["options"])
+    assert {o["deployment"].split()[0] for o in result["options"]} >= {"TP8", "TP4xDP2", "TP8xPP2"}
+    assert any(o["gpus"] == 16 and len(o["launch"]) == 2 for o in result["options"])  # one line per node
+    cheapest = result["cheapest"]
+    assert cheapest["meets_slo"] and cheapest["dollars_per_million_tokens"] > 0
+    fewest = result["fewest_gpus"]
+    assert fewest["copies"] * fewest["option"]["requests_per_s"] >= 20
+
+
+def test_search_deepseek_on_two_h200_nodes_tries_expert_parallelism_and_disaggregation():
+    result = search(model("deepseek-ai/DeepSeek-V3"), Pool(hardware("h200"), 8, 2), 2048, 512,
+                    parse_slos("ttft:p90<3000ms;tpot:p90<80ms"), ["sglang"], loads=(16, 64))
+    shapes = {o["deployment"] for o in result["options"]}
+    assert any("EP16" in s and "attention-DP16" in s for s in shapes)
+    assert any(s.count("P(") and "D(" in s for s in shapes)  # prefill/decode split
+
+
+def test_calibration_set_is_sourced_and_spread():
+    chosen = points()
+    assert len(chosen) >= 40
+    assert len({p.source for p in chosen}) >= 5 and set(p.source for p in chosen) <= set(sources())
+    for p in chosen:
+        assert p.extra.get("url", "").startswith("http") and p.extra.get("date") and p.extra.get("quote"), p.id
+        assert p.value > 0 and math.isfinite(p.value)
+    regimes = {r for p in chosen for r in p.regimes}
+    assert regimes >= {"prefill-heavy", "decode-heavy", "moe", "fp8", "fp4", "multi-node", "apple", "latency"}
