@@ -44,6 +44,9 @@ VERDICT_ORDER = {"recommended": 0, "viable": 1, "excluded": 2}
 # Scores closer than this tie: goodput adds up to 3 points, so 0.3 is 10% of the best estimated
 # goodput, finer than a roofline estimate resolves.
 SCORE_TIE = 0.3
+# Requests' lengths vary around the workload's means (uniformly within +-50%), as real traffic's
+# do: with every request alike, a closed loop's clients finish together and arrive in waves.
+TRAFFIC_SPREAD = 0.5
 
 
 class ImpossibleRequest(ValueError):
@@ -331,6 +334,7 @@ def _candidate(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
     }
     if candidate.verdict != "excluded":
         candidate.estimates = _estimates(m, model, hw, gpus, workload, derates, plan, weight_format)
+        candidate.estimates["simulated"] = _simulated(m, model, hw, gpus, workload, weight_format, kv_key)
         candidate.launch = _launch(m, model, gpus, workload, kv_cell, plan)
     return candidate
 
@@ -450,6 +454,36 @@ def _estimates(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
     }
 
 
+def _simulated(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: Workload, fmt: str,
+               kv_key: str) -> dict:
+    """The runtime's own scheduler run over this workload (advisor.perf): p50/p90/p99 TTFT, TPOT
+    and end-to-end, throughput, goodput at the SLO, and the range the calibration gives estimates
+    in these regimes. Empty where the model does not fit the runtime's memory."""
+    from .perf.calibration import regimes
+    from .perf.deployment import Deployment
+    from .perf.efficiency import fitted
+    from .perf.predict import predict
+    from .perf.simulate import Traffic
+
+    split = m.features["tensor_parallel"].status == "yes"
+    held = m.memory.compute_dtype or fmt
+    kv = kv_key if kv_key in KV_DTYPE_BYTES else "bf16"
+    d = Deployment(m.runtime, hw, tp=gpus if split else 1, pp=1 if split else gpus, weights=held, kv=kv)
+    caches = m.features["prefix_caching"].status == "yes" and bool(m.features["prefix_caching"].default)
+    rate = workload.request_rate
+    traffic = Traffic(workload.prompt_tokens, workload.output_tokens, load="rate" if rate else "concurrency",
+                      concurrency=workload.concurrency, rate=rate or 0.0,
+                      requests=400 if rate else max(8 * workload.concurrency, 64),
+                      prefix_reuse=workload.prefix_reuse if caches else 0.0, spread=TRAFFIC_SPREAD)
+    figures = predict(model, d, traffic)
+    if not figures.fits:
+        return {}
+    tags = regimes(workload.prompt_tokens, workload.output_tokens, model.moe, held, hw, gpus)
+    low, high = fitted().range_for(tags)
+    return {**figures.summary(), "goodput_requests_per_s": figures.goodput(workload.slo_ttft_ms, workload.slo_tpot_ms),
+            "range": [low, high], "regimes": tags, "deployment": d.describe()}
+
+
 def _largest(ok, limit: int) -> int:
     """The largest b in [1, limit] with ok(b), for ok true up to some point; 0 if none."""
     low, high = 0, limit
@@ -501,12 +535,14 @@ def _launch(m: Matrix, model: ModelSpec, gpus: int, workload: Workload, kv_cell:
 
 
 def _rank(candidates: list[Candidate]) -> list[str]:
-    """Order the candidates and say what decided. Scores within SCORE_TIE of the best are a tie,
-    and so is a lead that rests only on unverified cells: every such candidate is recommended, and
-    the notes say why and what would separate them. Never a tie-break by name. When no candidate
-    meets the SLO, none is recommended."""
+    """Order the candidates and say what decided. Where both carry the simulation's goodput and its
+    calibrated range, they are indistinguishable when the ranges overlap (and the rules do not
+    separate them); otherwise scores within SCORE_TIE of the best are a tie. A lead that rests
+    only on unverified cells is a tie too: every such candidate is recommended, and the notes say
+    why and what would separate them. Never a tie-break by name. When no candidate meets the SLO,
+    none is recommended."""
     def goodput(c: Candidate) -> float:
-        return c.estimates.get("goodput_requests_per_s") or 0.0
+        return (c.estimates.get("simulated") or c.estimates).get("goodput_requests_per_s") or 0.0
 
     best = max(map(goodput, candidates), default=0.0) or 1.0
     estimated = {}
@@ -516,13 +552,26 @@ def _rank(candidates: list[Candidate]) -> list[str]:
             c.score += estimated[c.runtime] + 0.1 * c.memory["features"]
     candidates.sort(key=lambda c: (VERDICT_ORDER[c.verdict], -c.score))
     viable = [c for c in candidates if c.verdict != "excluded"]
-    if not viable or all(c.estimates.get("goodput_requests_per_s") == 0 for c in viable):
+    if not viable or all(goodput(c) == 0 for c in viable):
         return []
     top, notes = viable[0], []
     top.verdict = "recommended"
     for other in viable[1:]:
         lead = top.score - other.score
         unverified, cells = _unverified_lead(top, other, estimated)
+        ranges = _goodput_ranges(top, other)
+        if ranges is not None:
+            (low, high), (other_low, other_high) = ranges
+            by_rules = lead - (estimated[top.runtime] - estimated[other.runtime])
+            if other_high >= low and by_rules <= SCORE_TIE:
+                other.verdict = "recommended"
+                notes.append(f"{top.name} and {other.name} are indistinguishable: their goodput ranges "
+                             f"({low:.2f}-{high:.2f} and {other_low:.2f}-{other_high:.2f} req/s, from the "
+                             f"calibration's error in these regimes) overlap; measure both (--measure "
+                             f"{top.runtime}=URL --measure {other.runtime}=URL).")
+                continue
+            if other_high < low and by_rules <= SCORE_TIE:
+                continue
         if lead <= SCORE_TIE:
             other.verdict = "recommended"
             notes.append(f"{top.name} and {other.name} tie (scores {top.score:.2f} and {other.score:.2f}): the "
@@ -534,6 +583,18 @@ def _rank(candidates: list[Candidate]) -> list[str]:
                          f"({'; '.join(cells)}): treated as a tie; measure both (--measure {top.runtime}=URL "
                          f"--measure {other.runtime}=URL).")
     return notes
+
+
+def _goodput_ranges(a: Candidate, b: Candidate) -> tuple[tuple[float, float], tuple[float, float]] | None:
+    """Each candidate's simulated goodput times the low and high factors of its calibrated range."""
+    out = []
+    for c in (a, b):
+        sim = c.estimates.get("simulated") or {}
+        if "range" not in sim:
+            return None
+        g = sim["goodput_requests_per_s"]
+        out.append((g * sim["range"][0], g * sim["range"][1]))
+    return out[0], out[1]
 
 
 def _unverified_lead(a: Candidate, b: Candidate, estimated: dict[str, float]) -> tuple[float, list[str]]:

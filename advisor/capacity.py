@@ -226,15 +226,21 @@ def estimate_params(cfg: dict, source: str = "config") -> tuple[float, float]:
     attention = hidden * arch.head_dim * (2 * heads + 2 * arch.kv_heads)
     experts = Experts.from_config(cfg)
     if experts:
+        # a dense layer's MLP, where there are any (DeepSeek's first layers, Llama 4's interleaved ones)
+        dense = 3 * hidden * (cfg.get("intermediate_size_mlp") or cfg.get("intermediate_size") or 0)
         router = hidden * experts.routed
-        mlp_total = experts.routed * experts.params + router
-        mlp_active = experts.per_token * experts.params + router
+        # Shared experts run for every token: DeepSeek's n_shared_experts, Llama 4's one per MoE layer.
+        shared = (cfg.get("n_shared_experts") or (1 if str(cfg.get("model_type")).startswith("llama4") else 0)) \
+            * experts.params
+        dense_layers = arch.layers - experts.layers
+        mlp_total = experts.layers * (experts.routed * experts.params + router + shared) + dense_layers * dense
+        mlp_active = experts.layers * (experts.per_token * experts.params + router + shared) + dense_layers * dense
     else:
-        mlp_total = mlp_active = 3 * hidden * need("intermediate_size")
+        mlp_total = mlp_active = arch.layers * 3 * hidden * need("intermediate_size")
     embeddings = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
     norms = arch.layers * 2 * hidden + hidden
-    return (embeddings + norms + arch.layers * (attention + mlp_total),
-            embeddings + norms + arch.layers * (attention + mlp_active))
+    return (embeddings + norms + arch.layers * attention + mlp_total,
+            embeddings + norms + arch.layers * attention + mlp_active)
 
 
 # -- memory -----------------------------------------------------------------------------------

@@ -24,6 +24,25 @@ def _fmt(value, digits: int = 1, unit: str = "") -> str:
     return f"{value:,}{unit}" if isinstance(value, int) else f"{value}{unit}"
 
 
+def _pair(sim: dict, key: str) -> str:
+    """A simulated latency's median and 99th percentile, with the calibrated range on the median."""
+    if not sim:
+        return "n/a"
+    low, high = sim["range"]
+    p50, p99 = sim[key]["p50"], sim[key]["p99"]
+    if p50 is None:
+        return "n/a"
+    # A latency is the inverse of a rate: measured / estimated rates of [low, high] put it in [1/high, 1/low].
+    return f"{p50:,.1f} ({p50 / high:,.1f}-{p50 / low:,.1f}) / {p99:,.1f}"
+
+
+def _goodput(sim: dict) -> str:
+    if not sim:
+        return "n/a"
+    g, (low, high) = sim["goodput_requests_per_s"], sim["range"]
+    return f"{g:,.2f} ({g * low:,.2f}-{g * high:,.2f})"
+
+
 def _header(report: Report) -> list[str]:
     m, h, w = report.model, report.hardware, report.workload
     active = f", {m['params_active'] / 1e9:.1f}B active" if m["moe"] else ""
@@ -47,14 +66,17 @@ def to_markdown(report: Report) -> str:
                   "| change | best runtime | goodput req/s | TTFT ms | TPOT ms |", "|---|---|---|---|---|",
                   *(f"| `{a['change']}` | {a['runtime'] or 'none'} | {_fmt(a['goodput_requests_per_s'], 2)} | "
                     f"{_fmt(a['ttft_ms'])} | {_fmt(a['tpot_ms'])} |" for a in report.alternatives), ""]
-    lines += ["| rank | runtime | verdict | score | max seqs | weights GiB/device | KV bytes/token | TTFT ms | "
-             "TPOT ms | goodput req/s | measured |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| rank | runtime | verdict | score | max seqs | weights GiB/device | KV bytes/token | "
+             "TTFT ms p50 (range) / p99 | TPOT ms p50 (range) / p99 | goodput req/s (range) | "
+             "roofline TTFT / TPOT ms | measured |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for rank, c in enumerate(report.candidates, 1):
-        e, mem = c.estimates, c.memory
+        e, mem, sim = c.estimates, c.memory, c.estimates.get("simulated") or {}
         measured = _fmt(c.measured.get("request_goodput"), 2) if c.measured else ""
         lines.append(f"| {rank} | {c.name} {c.version} | {c.verdict} | {c.score:.1f} | {mem['max_sequences']} | "
-                     f"{mem['weights_gib']:.1f} | {mem['kv_bytes_per_token']:,.0f} | {_fmt(e.get('ttft_ms'))} | "
-                     f"{_fmt(e.get('tpot_ms'))} | {_fmt(e.get('goodput_requests_per_s'), 2)} | {measured} |")
+                     f"{mem['weights_gib']:.1f} | {mem['kv_bytes_per_token']:,.0f} | {_pair(sim, 'ttft_ms')} | "
+                     f"{_pair(sim, 'tpot_ms')} | {_goodput(sim)} | {_fmt(e.get('ttft_ms'))} / "
+                     f"{_fmt(e.get('tpot_ms'))} | {measured} |")
     for c in report.candidates:
         lines += ["", f"## {c.name}: {c.verdict}", ""]
         for r in c.reasons:
@@ -85,7 +107,10 @@ def to_markdown(report: Report) -> str:
               f"prefill compute x{a['prefill_compute']}, decode "
               f"compute x{a['decode_compute']} (override with --derate-*).",
               f"- Reserved memory: {a['reserved']}.",
-              "- Estimates ignore queueing and prefill/decode interference: confirm with `--measure`."]
+              "- TTFT, TPOT and goodput are each runtime's scheduler simulated over this workload (advisor/perf); "
+              "the ranges are the calibration's 10th-90th percentile of measured / estimated in the estimate's "
+              "regimes (`servegate advise --calibration`). The roofline columns are the single-formula bound "
+              "`--calibrate` corrects. Confirm with `--measure`."]
     return "\n".join(lines) + "\n"
 
 
@@ -120,8 +145,8 @@ def to_html(report: Report) -> str:
                                                                            "reserved"),
                         (c.memory["kv_budget_gib"], "#1a7f37", "KV cache budget")]) for c in report.candidates]
     viable = [c for c in report.candidates if c.verdict != "excluded"]
-    goodput = [(c.name, [(c.estimates.get("goodput_requests_per_s") or 0.0, VERDICT_COLOURS[c.verdict],
-                          "estimated goodput")]) for c in viable]
+    goodput = [(c.name, [((c.estimates.get("simulated") or c.estimates).get("goodput_requests_per_s") or 0.0,
+                          VERDICT_COLOURS[c.verdict], "estimated goodput")]) for c in viable]
     measured = [(c.name, [(c.measured.get("request_goodput") or 0.0, "#cf222e", "measured goodput")])
                 for c in viable if c.measured]
     charts = [_bars("Memory per device (GiB)", memory, "GiB")]
@@ -132,8 +157,9 @@ def to_html(report: Report) -> str:
     rows = "".join(
         f"<tr><td>{i}</td><td>{html.escape(c.name)} {html.escape(c.version)}</td>"
         f'<td style="color:{VERDICT_COLOURS[c.verdict]};font-weight:bold">{c.verdict}</td><td>{c.score:.1f}</td>'
-        f"<td>{c.memory['max_sequences']}</td><td>{_fmt(c.estimates.get('ttft_ms'))}</td>"
-        f"<td>{_fmt(c.estimates.get('tpot_ms'))}</td><td>{_fmt(c.estimates.get('goodput_requests_per_s'), 2)}</td>"
+        f"<td>{c.memory['max_sequences']}</td><td>{_pair(c.estimates.get('simulated') or {}, 'ttft_ms')}</td>"
+        f"<td>{_pair(c.estimates.get('simulated') or {}, 'tpot_ms')}</td>"
+        f"<td>{_goodput(c.estimates.get('simulated') or {})}</td>"
         "<td><ul>" + "".join(
             f"<li><b>{r['kind']}</b> <code>{html.escape(r['rule'])}</code>: {html.escape(r['reason'])}"
             + (f" <small>({html.escape(str(r['cell']['path']))}: {html.escape(r['cell']['status'])}; "
@@ -148,6 +174,7 @@ def to_html(report: Report) -> str:
 td,th{{border:1px solid #d0d7de;padding:4px 8px;vertical-align:top;font-size:13px}}svg{{display:block;margin:16px 0}}
 code{{font-size:12px}}</style></head><body><h1>servegate advise</h1><ul>{header}</ul>
 <p><b>{html.escape(report.summary)}</b></p>{''.join(charts)}
-<table><tr><th>#</th><th>runtime</th><th>verdict</th><th>score</th><th>max seqs</th><th>TTFT ms</th><th>TPOT ms</th>
-<th>goodput req/s</th><th>why, and how to start it</th></tr>{rows}</table></body></html>
+<table><tr><th>#</th><th>runtime</th><th>verdict</th><th>score</th><th>max seqs</th><th>TTFT ms p50 (range) / p99</th>
+<th>TPOT ms p50 (range) / p99</th><th>goodput req/s (range)</th><th>why, and how to start it</th></tr>{rows}</table>
+</body></html>
 """

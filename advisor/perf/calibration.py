@@ -23,6 +23,27 @@ REGIMES = ("prefill-heavy", "decode-heavy", "mixed", "latency", "moe", "fp8", "f
            "cpu", "apple")
 
 
+def regimes(prompt: int, output: int, moe: bool, weights: str, hw, gpus: int, nodes: int = 1,
+            metric: str = "", decoding_only: bool = False) -> list[str]:
+    """The regimes an estimate (or a measurement) belongs to, which its error range is read from."""
+    tags = []
+    if not decoding_only and (output and prompt / output >= 16 or metric == "prompt_tokens_per_s"):
+        tags.append("prefill-heavy")
+    elif decoding_only or prompt and output / prompt >= 4:
+        tags.append("decode-heavy")
+    else:
+        tags.append("mixed")
+    tags += ["latency"] * (metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"))
+    tags += ["moe"] * moe
+    tags += ["fp8"] * (weights.lower() == "fp8")
+    tags += ["fp4"] * (weights.lower() in ("nvfp4", "mxfp4"))
+    tags += ["multi-gpu"] * (gpus > 1)
+    tags += ["multi-node"] * (nodes > 1)
+    tags += ["cpu"] * (hw.vendor == "cpu")
+    tags += ["apple"] * (hw.vendor == "apple")
+    return tags
+
+
 @dataclass(frozen=True)
 class Point:
     id: str
@@ -43,29 +64,19 @@ class Point:
 
     @property
     def regimes(self) -> list[str]:
-        w, hw = self.workload, resolve_hardware(self.hardware)
-        prompt, output = w.get("prompt") or 0, w.get("output") or 0
-        tags = []
-        decoding_only = w.get("handed_over") or self.metric == "decode_tokens_per_s"
-        if not decoding_only and (output and prompt / output >= 16 or self.metric == "prompt_tokens_per_s"):
-            tags.append("prefill-heavy")
-        elif decoding_only or prompt and output / prompt >= 4:
-            tags.append("decode-heavy")
-        else:
-            tags.append("mixed")
-        tags += ["latency"] * (self.metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"))
-        tags += ["moe"] * bool(resolve_model(self.model).experts)
-        tags += ["fp8"] * (self.weights.lower() == "fp8")
-        tags += ["fp4"] * (self.weights.lower() in ("nvfp4", "mxfp4"))
-        tags += ["multi-gpu"] * (self.gpus > 1)
-        tags += ["multi-node"] * (self.nodes > 1)
-        tags += ["cpu"] * (hw.vendor == "cpu")
-        tags += ["apple"] * (hw.vendor == "apple")
-        return tags
+        w = self.workload
+        return regimes(w.get("prompt") or 0, w.get("output") or 0, bool(resolve_model(self.model).experts),
+                       self.weights, resolve_hardware(self.hardware), self.gpus, self.nodes, self.metric,
+                       decoding_only=bool(w.get("handed_over")) or self.metric == "decode_tokens_per_s")
+
+    @property
+    def engine(self) -> str:
+        """The runtime as the model tells it apart: its name, or its scheduler generation."""
+        return generation(self.runtime, self.extra.get("version"))
 
     def deployment(self) -> Deployment:
         p = self.parallel
-        return Deployment(generation(self.runtime, self.extra.get("version")), resolve_hardware(self.hardware),
+        return Deployment(self.engine, resolve_hardware(self.hardware),
                           tp=p.get("tp") or 1, pp=p.get("pp") or 1,
                           ep=p.get("ep") or 1, dp=p.get("dp") or 1, attention_dp=bool(p.get("attention_dp")),
                           weights=self.weights, kv=self.kv)
@@ -80,7 +91,7 @@ class Point:
             requests = max(requests, 4 * concurrency)
         return Traffic(prompt=w.get("prompt") or 1, output=w.get("output") or 1, load=load,
                        concurrency=concurrency, rate=w.get("rate") or 0.0, requests=requests,
-                       handed_over=bool(w.get("handed_over")))
+                       handed_over=bool(w.get("handed_over")), spread=w.get("spread") or 0.0)
 
     def estimate(self, eff: Efficiency) -> float | None:
         """The model's figure in the point's own metric and statistic; None if it does not fit."""

@@ -42,7 +42,8 @@ class Deployment:
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp + self.prefill_workers * self.tp * self.pp
+        """The decode (or aggregated) engines' GPUs, plus the prefill engines', each engine alike."""
+        return self.engine_gpus * (self.replicas + self.prefill_workers)
 
     @property
     def nodes(self) -> int:
@@ -60,7 +61,8 @@ class Deployment:
         parts += [f"{'attention-DP' if self.attention_dp else 'DP'}{self.dp}"] * (self.dp > 1)
         shape = "x".join(parts)
         if self.prefill_workers:
-            shape = f"{self.prefill_workers}P({shape.split('x')[0]})+{self.dp}D({shape})"
+            engine = "x".join(p for p in parts if not p.startswith("DP"))
+            shape = f"{self.prefill_workers}P({engine})+{self.replicas}D({engine})"
         return f"{shape} {self.weights}/{self.kv}"
 
 

@@ -23,12 +23,16 @@ def device_class(hw: Hardware) -> str:
 @dataclass(frozen=True)
 class Efficiency:
     """Shares and per-step costs. `runtime` holds each runtime's kernel speed relative to vLLM
-    (`speed`, multiplying both shares) and its fixed cost per step (`overhead_ms`: scheduling,
-    sampling, launches); `<runtime>@<class>` entries override a runtime on one device class."""
+    (`speed`, multiplying both shares; on a CPU `compute_speed` apart, for a runtime whose matmuls
+    lag its memory-bound kernels, as llama.cpp's quantized prompt processing does), its fixed cost
+    per step (`overhead_ms`: scheduling, sampling, launches), per running sequence
+    (`per_sequence_us`) and per request before it is queued (`request_ms`: HTTP, chat template,
+    tokenizer); `<runtime>@<class>` entries override a runtime on one device class."""
     bandwidth: dict[str, float] = field(default_factory=lambda: {"gpu": 0.8, "apple": 0.75, "cpu": 1.0})
     compute: dict[str, float] = field(default_factory=lambda: {"gpu": 0.5, "apple": 0.5, "cpu": 0.5})
     precision: dict[str, float] = field(default_factory=lambda: {"fp8": 0.8, "fp4": 0.6})
-    moe: float = 0.7  # grouped expert GEMMs' share of a dense GEMM's rate (bytes and FLOPs)
+    moe: float = 0.7  # grouped expert GEMMs' share of a dense GEMM's rate (bytes and FLOPs) for wide experts
+    moe_width: float = 2048.0  # the expert width (intermediate size) at which that share halves
     attention: float = 0.7  # attention kernels' share of what a GEMM reaches of the same roofline
     layer_us: float = 20.0  # fixed cost per layer per step on a GPU (launches, norms, small kernels)
     moe_layer_us: float = 60.0  # and per MoE layer (routing, permutation, dispatch)
@@ -39,8 +43,17 @@ class Efficiency:
     def of(self, runtime: str, hw: Hardware) -> dict[str, float]:
         """The runtime's speed and overhead on this device class."""
         cls = device_class(hw)
-        base = {"speed": 1.0, "overhead_ms": 1.0 if cls == "gpu" else 0.0}
-        return base | self.runtime.get(runtime, {}) | self.runtime.get(f"{runtime}@{cls}", {})
+        gpu = cls == "gpu"
+        base = {"speed": 1.0, "overhead_ms": 1.0 if gpu else 0.0, "request_ms": 0.0,
+                "per_sequence_us": self.per_sequence_us if gpu else 0.0}
+        values = base | self.runtime.get(runtime, {}) | self.runtime.get(f"{runtime}@{cls}", {})
+        return {"compute_speed": values["speed"]} | values  # matmuls as fast as the rest, unless fitted
+
+    def range_for(self, tags: list[str]) -> tuple[float, float]:
+        """The factors (low, high) an estimate in these regimes carries: the widest of their
+        calibration ranges (measured / estimated, each source left out of the fit), or the overall one."""
+        ranges = [self.residuals[t] for t in tags if t in self.residuals] or [self.residuals.get("all", [1.0, 1.0])]
+        return min(r[0] for r in ranges), max(r[1] for r in ranges)
 
     def parameters(self) -> dict[str, float]:
         """Every fitted value under a flat name (`bandwidth.gpu`, `runtime.sglang.speed`...)."""
@@ -72,7 +85,7 @@ class Efficiency:
                 "residuals": self.residuals}
 
 
-SCALARS = ("moe", "attention", "layer_us", "moe_layer_us", "per_sequence_us")
+SCALARS = ("moe", "moe_width", "attention", "layer_us", "moe_layer_us", "per_sequence_us")
 
 
 @cache

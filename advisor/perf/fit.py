@@ -15,8 +15,9 @@ from .steps import LOW_PRECISION
 BOUNDS = {
     "bandwidth.gpu": (0.4, 1.0), "bandwidth.apple": (0.3, 1.0), "bandwidth.cpu": (0.2, 1.5),
     "compute.gpu": (0.15, 0.9), "compute.apple": (0.15, 1.0), "compute.cpu": (0.05, 3.0),
-    "precision.fp8": (0.3, 1.0), "precision.fp4": (0.2, 1.0), "moe": (0.15, 1.0), "attention": (0.15, 1.0),
-    "layer_us": (0.0, 300.0), "moe_layer_us": (0.0, 600.0), "per_sequence_us": (0.0, 60.0),
+    "precision.fp8": (0.3, 1.0), "precision.fp4": (0.2, 1.0), "moe": (0.15, 1.0), "moe_width": (0.0, 16384.0),
+    "attention": (0.15, 1.0),
+    "layer_us": (0.0, 300.0), "moe_layer_us": (0.0, 600.0),
 }
 RUNTIME_SPEED = (0.4, 1.6)
 RUNTIME_OVERHEAD_MS = (0.0, 40.0)
@@ -29,11 +30,17 @@ def parameters(chosen: tuple[Point, ...]) -> dict[str, tuple[float, float]]:
     out = dict(BOUNDS)
     for p in chosen:
         cls = device_class(resolve_hardware(p.hardware))
-        key = p.runtime if cls == "gpu" else f"{p.runtime}@{cls}"
+        key = p.engine if cls == "gpu" else f"{p.engine}@{cls}"
         if key != "vllm" and cls != "apple":
             out[f"runtime.{key}.speed"] = RUNTIME_SPEED
         if cls != "apple":
             out[f"runtime.{key}.overhead_ms"] = RUNTIME_OVERHEAD_MS
+            out[f"runtime.{key}.request_ms"] = (0.0, 100.0)
+        if cls == "gpu":
+            out[f"runtime.{key}.per_sequence_us"] = (0.0, 200.0)
+        if cls == "cpu":
+            out[f"runtime.{key}.compute_speed"] = (0.1, 3.0)
+            out[f"runtime.{key}.per_sequence_us"] = (0.0, 20000.0)  # sampling a vocabulary on a CPU costs ms
     return out
 
 
@@ -47,20 +54,24 @@ def touches(name: str, p: Point) -> bool:
         return cls == "gpu" and LOW_PRECISION.get(p.weights.lower()) == rest
     if head == "runtime":
         runtime = rest.rpartition(".")[0]
-        return runtime == (p.runtime if cls == "gpu" else f"{p.runtime}@{cls}") or runtime == p.runtime
-    if name in ("moe", "moe_layer_us"):
+        return runtime == (p.engine if cls == "gpu" else f"{p.engine}@{cls}") or runtime == p.engine
+    if name in ("moe", "moe_width", "moe_layer_us"):
         return "moe" in p.regimes
     return cls == "gpu" or name == "attention"  # layer_us, per_sequence_us on GPUs; attention everywhere
 
 
 def loss_of(errors: list[float]) -> float:
     capped = [min(e, math.log(10)) for e in errors]  # a point that does not fit counts as 10x off
-    return sum(e + 4 * max(0.0, e - OUTLIER) ** 2 for e in capped) / max(1, len(capped))
+    return sum(e + 20 * max(0.0, e - OUTLIER) ** 2 for e in capped) / max(1, len(capped))
 
 
-def fit(chosen: tuple[Point, ...], start: Efficiency, rounds: int = 4, step: float = 1.5) -> Efficiency:
-    names = parameters(chosen)
-    values = {**{n: start.parameters().get(n, _prior(n)) for n in names}}
+def fit(chosen: tuple[Point, ...], start: Efficiency, rounds: int = 4, step: float = 1.5,
+        only: str = "") -> Efficiency:
+    """`only`: fit just the parameters whose names contain it (e.g. "cpu"), the rest held."""
+    names = {n: b for n, b in parameters(chosen).items() if only in n}
+    known = start.parameters()
+    # a new compute speed starts where the runtime's one speed stood
+    values = {n: known.get(n, known.get(n.replace(".compute_speed", ".speed"), _prior(n))) for n in names}
     eff = start.with_parameters(values)
     errors = {p.id: error(p.estimate(eff), p.value) for p in chosen}
     for _ in range(rounds):
@@ -81,7 +92,9 @@ def fit(chosen: tuple[Point, ...], start: Efficiency, rounds: int = 4, step: flo
 
 
 def _prior(name: str) -> float:
-    return 1.0 if name.endswith(".speed") else 1.0 if name.endswith("overhead_ms") else 0.5
+    priors = {"speed": 1.0, "compute_speed": 1.0, "overhead_ms": 1.0, "request_ms": 5.0,
+              "per_sequence_us": 1000.0 if "@cpu" in name else 10.0}
+    return priors.get(name.rpartition(".")[2], 0.5)
 
 
 def _moves(value: float, step: float, low: float, high: float) -> list[float]:

@@ -27,6 +27,9 @@ class Scheduler:
     # Share of each request's output the cache must hold free before it is admitted: 0 allocates
     # as it goes (and preempts the newest when full), 1 guarantees no eviction.
     reserve_output: float
+    # One KV cache shared by every slot, each decode attending over all its cells under a mask
+    # (llama.cpp's unified cache): attention grows with every sequence's context, not its own.
+    unified_kv: bool = False
 
 
 @cache

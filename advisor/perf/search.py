@@ -14,6 +14,7 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
+from ..advise import TRAFFIC_SPREAD
 from ..hardware import Hardware
 from ..models import ModelSpec
 from .deployment import Deployment, divides
@@ -118,9 +119,9 @@ def search(model: ModelSpec, pool: Pool, prompt: int, output: int, slos: list[tu
                 if option is None:
                     break  # does not fit: no load will
                 options.append(option)
-            if runtime in DISAGGREGATING and d.dp >= 1 and not d.attention_dp and d.pp == 1:
+            if runtime in DISAGGREGATING and d.pp == 1:
                 for prefill in (1, 2, 3):
-                    split = replace(d, prefill_workers=prefill * d.dp)
+                    split = replace(d, prefill_workers=prefill * d.replicas)
                     if split.gpus <= pool.gpus:
                         for concurrency in [c for c in loads if c >= 16] or loads[-1:]:  # a split pays at load
                             option = _option(model, split, prompt, output, concurrency, slos, pool, eff)
@@ -145,7 +146,8 @@ def search(model: ModelSpec, pool: Pool, prompt: int, output: int, slos: list[tu
 def _option(model: ModelSpec, d: Deployment, prompt: int, output: int, concurrency: int,
             slos: list[tuple[str, str, float]], pool: Pool, eff: Efficiency) -> Option | None:
     total = concurrency * max(1, d.dp if not d.attention_dp else d.dp)
-    traffic = Traffic(prompt, output, load="concurrency", concurrency=total, requests=max(4 * total, 64))
+    traffic = Traffic(prompt, output, load="concurrency", concurrency=total, requests=max(4 * total, 64),
+                      spread=TRAFFIC_SPREAD)
     if d.prefill_workers:
         figures = _disaggregated(model, d, traffic, eff)
     else:
@@ -173,7 +175,7 @@ def _disaggregated(model: ModelSpec, d: Deployment, traffic: Traffic, eff: Effic
     decode = predict(model, replace(d, prefill_workers=0), replace(traffic, handed_over=True), eff)
     if not decode.fits or not decode.requests_per_s:
         return None
-    prefill_engine = replace(d, prefill_workers=0, dp=1)
+    prefill_engine = replace(d, prefill_workers=0, dp=d.dp if d.attention_dp else 1)
     rate = decode.requests_per_s / d.prefill_workers
     capacity = predict(model, prefill_engine, Traffic(traffic.prompt, 1, load="offline", requests=64), eff)
     if not capacity.fits or capacity.requests_per_s < rate:
@@ -220,7 +222,7 @@ def launch_lines(model: ModelSpec, d: Deployment, pool: Pool) -> list[str]:
                     for n in range(nodes)]
         if d.prefill_workers:
             return [line + " --kv-transfer-config '{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_both\"}'"
-                    + f"  # x{kind}" for kind in (f"{d.prefill_workers} prefill", f"{d.dp} decode")]
+                    + f"  # x{kind}" for kind in (f"{d.prefill_workers} prefill", f"{d.replicas} decode")]
         return [line]
     if d.runtime == "sglang":
         tp = d.tp * (d.dp if d.attention_dp else 1)
@@ -234,9 +236,13 @@ def launch_lines(model: ModelSpec, d: Deployment, pool: Pool) -> list[str]:
             return [line + f" --nnodes {nodes} --node-rank {n} --dist-init-addr NODE0_IP:5000" for n in range(nodes)]
         return [line]
     if d.runtime == "tensorrt-llm":
-        return [f"trtllm-serve {model.id} --tp_size {d.tp * (d.dp if d.attention_dp else 1)} --pp_size {d.pp}"
+        line = (f"trtllm-serve {model.id} --tp_size {d.tp * (d.dp if d.attention_dp else 1)} --pp_size {d.pp}"
                 + f" --ep_size {d.ep}" * (d.ep > 1)
-                + (" --extra_llm_api_options enable_attention_dp.yaml" if d.attention_dp else "")]
+                + (" --extra_llm_api_options enable_attention_dp.yaml" if d.attention_dp else ""))
+        if d.prefill_workers:  # context and generation servers behind `trtllm-serve disaggregated -c disagg.yaml`
+            return [f"{line}  # x{d.prefill_workers} context servers", f"{line}  # x{d.replicas} generation servers",
+                    "trtllm-serve disaggregated -c disagg.yaml  # lists the context and generation servers' URLs"]
+        return [line]
     if d.runtime == "lmdeploy":
         return [f"lmdeploy serve api_server {model.id} --tp {d.tp}" + f" --dp {d.dp}" * (d.dp > 1)
                 + " --quant-policy 8" * (d.kv == "fp8")]

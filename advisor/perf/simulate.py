@@ -13,6 +13,7 @@ Data-parallel ranks split the traffic evenly: one rank is simulated with its sha
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import random
 from collections import deque
@@ -32,6 +33,7 @@ class Traffic:
     requests: int = 400
     prefix_reuse: float = 0.0  # share of each prompt found in the prefix cache
     handed_over: bool = False  # prompts arrive prefilled (a disaggregated decode engine): only decoding here
+    spread: float = 0.0  # lengths drawn uniformly within (1 +- spread) x the means: real traffic's finishes stagger
     trace: tuple[tuple[float, int, int], ...] = ()  # (arrival s, prompt, output) when load == "trace"
     seed: int = 0
 
@@ -56,6 +58,7 @@ class Request:
     first: float | None = None
     done: float | None = None
     offset: float = 0.0  # context = offset + the decode clock, while decoding
+    key: int = -1  # while decoding, its entry in `decoding` and the finishing heap (a fresh one each time)
 
 
 @dataclass
@@ -85,7 +88,8 @@ def simulate(cost: StepCost, sched: Scheduler, kv_tokens: int, traffic: Traffic,
     waiting: deque[Request] = deque()
     prefilling: list[Request] = []
     decoding: dict[int, Request] = {}
-    finishing: list[tuple[float, int]] = []  # (decode clock at which it finishes, id)
+    finishing: list[tuple[float, int]] = []  # (decode clock at which it finishes, key): ties break in order
+    keys = itertools.count()
     out = Outcome()
     clock = g = 0.0  # wall clock; decode clock (tokens every decoding sequence has advanced)
     # Sums over the decoding requests, so that the KV they hold is known without a pass over them:
@@ -124,18 +128,19 @@ def simulate(cost: StepCost, sched: Scheduler, kv_tokens: int, traffic: Traffic,
         out.output_tokens += r.output
         if closed and issued < traffic.requests:  # its client sends the next one
             issued += 1
-            future.appendleft(_request(traffic, clock))
+            future.appendleft(_request(traffic, clock, rng))
 
     def start_decoding(r: Request) -> None:
         nonlocal offsets, prompts, outputs
         r.offset = r.prompt + r.generated - g
         offsets, prompts, outputs = offsets + r.offset, prompts + r.prompt, outputs + r.output
-        decoding[id(r)] = r
-        heapq.heappush(finishing, (g + (r.output - r.generated), id(r)))
+        r.key = next(keys)
+        decoding[r.key] = r
+        heapq.heappush(finishing, (g + (r.output - r.generated), r.key))
 
     def stop_decoding(r: Request) -> None:
         nonlocal offsets, prompts, outputs
-        del decoding[id(r)]
+        del decoding[r.key]
         offsets, prompts, outputs = offsets - r.offset, prompts - r.prompt, outputs - r.output
 
     def preempt_newest() -> None:
@@ -143,7 +148,7 @@ def simulate(cost: StepCost, sched: Scheduler, kv_tokens: int, traffic: Traffic,
         held = True
         out.preemptions += 1
         victim = max((*prefilling, *decoding.values()), key=lambda r: r.order)
-        if id(victim) in decoding:
+        if victim.key in decoding and decoding[victim.key] is victim:
             stop_decoding(victim)
             victim.generated = victim.offset + g - victim.prompt
         else:
@@ -153,14 +158,15 @@ def simulate(cost: StepCost, sched: Scheduler, kv_tokens: int, traffic: Traffic,
             victim.prompt + done, victim.output - done, 0, 0.0)  # recomputed when it returns
         waiting.appendleft(victim)
 
+    frontend = cost.frontend  # the server's own time per request (HTTP, template, tokenizer) before it is queued
     while out.completed + out.rejected < total or (closed and out.completed + out.rejected < issued):
-        while future and future[0].arrival <= clock:
+        while future and future[0].arrival + frontend <= clock:
             waiting.append(future.popleft())
         running = len(prefilling) + len(decoding)
         if not running and not waiting:
             if not future:
                 break
-            clock = future[0].arrival
+            clock = future[0].arrival + frontend
             continue
         used = kv_used()
         free = kv_tokens - used - kv_promised()
@@ -215,11 +221,13 @@ def simulate(cost: StepCost, sched: Scheduler, kv_tokens: int, traffic: Traffic,
                 limits.append(max(1.0, (kv_tokens - used) / decodes))
             steps = max(1, math.floor(min(limits) / accepted))
         mean_context = offsets + decodes * (g + (steps - 1) * accepted / 2) if decodes else 0.0
+        cells = mean_context + sum(r.prefilled for r in prefilling)
         step = Step(decodes=decodes, decode_context=mean_context, prefill=sum(n for _, n in chunks),
-                    prefill_context=sum(n * (r.prefilled + n / 2) for r, n in chunks))
+                    prefill_context=sum(n * (r.prefilled + n / 2) for r, n in chunks),
+                    attended=decodes * cells if sched.unified_kv else None)
         seconds = cost.seconds(step)
-        if future and steps > 1 and future[0].arrival > clock:
-            steps = max(1, min(steps, math.ceil((future[0].arrival - clock) / seconds)))
+        if future and steps > 1 and future[0].arrival + frontend > clock:
+            steps = max(1, min(steps, math.ceil((future[0].arrival + frontend - clock) / seconds)))
         clock += seconds * steps
         if decodes:
             g += steps * accepted
@@ -238,15 +246,19 @@ def simulate(cost: StepCost, sched: Scheduler, kv_tokens: int, traffic: Traffic,
         while finishing and finishing[0][0] <= g + 1e-9:
             _, key = heapq.heappop(finishing)
             r = decoding.get(key)
-            if r is None or r.offset + g - r.prompt < r.output - 1e-9:
-                continue  # a stale entry: its request was preempted (and may be decoding again)
+            if r is None:
+                continue  # a stale entry: its request was preempted
             stop_decoding(r)
             finish(r)
     out.duration = clock
     return out
 
 
-def _request(traffic: Traffic, at: float, prompt: int | None = None, output: int | None = None) -> Request:
+def _request(traffic: Traffic, at: float, rng: random.Random, prompt: int | None = None,
+             output: int | None = None) -> Request:
+    if prompt is None and traffic.spread:
+        prompt = round(traffic.prompt * rng.uniform(1 - traffic.spread, 1 + traffic.spread))
+        output = round(traffic.output * rng.uniform(1 - traffic.spread, 1 + traffic.spread))
     prompt = max(1, prompt or traffic.prompt)
     cached = prompt - 1 if traffic.handed_over else min(prompt - 1, round(prompt * traffic.prefix_reuse))
     return Request(arrival=at, prompt=prompt, output=max(1, output or traffic.output), cached=cached)
@@ -254,12 +266,12 @@ def _request(traffic: Traffic, at: float, prompt: int | None = None, output: int
 
 def _arrivals(traffic: Traffic, rng: random.Random) -> list[Request]:
     if traffic.load == "trace":
-        return [_request(traffic, t, p, o) for t, p, o in traffic.trace]
+        return [_request(traffic, t, rng, p, o) for t, p, o in traffic.trace]
     if traffic.load == "rate":
         t, out = 0.0, []
         for _ in range(traffic.requests):
             t += rng.expovariate(traffic.rate)
-            out.append(_request(traffic, t))
+            out.append(_request(traffic, t, rng))
         return out
     first = traffic.requests if traffic.load == "offline" else min(traffic.concurrency, traffic.requests)
-    return [_request(traffic, 0.0) for _ in range(first)]
+    return [_request(traffic, 0.0, rng) for _ in range(first)]

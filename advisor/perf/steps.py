@@ -24,6 +24,7 @@ class Step:
     decode_context: float = 0.0  # the sum of their context lengths
     prefill: int = 0  # prompt tokens
     prefill_context: float = 0.0  # the sum over those tokens of the context each attends to
+    attended: float | None = None  # the sum over decodes of the cells each attends, where not its own context
 
 
 class StepCost:
@@ -51,9 +52,15 @@ class StepCost:
         self.expert_bytes = e.params * bits / 8 / max(1, split // d.ep) if e else 0.0
         self.moe_layers = e.layers / d.pp if e else 0.0
         self.expert_flops = 2 * routed_active / (split * d.pp)
-        self.moe = eff.moe  # grouped expert GEMMs reach this share of what dense ones do
+        # Grouped expert GEMMs reach a share of what dense ones do, less the narrower each GPU's
+        # slice of an expert: DeepSeek's 2,048-wide experts sharded 8 ways by TP are 256 wide,
+        # whole under EP; Llama 4 Maverick's are 8,192 wide.
+        width = e.params / (3 * model.hidden_size) / max(1, split // d.ep) if e and model.hidden_size else 0.0
+        self.moe_tiles = width / (width + eff.moe_width) if width else 1.0  # narrow slices fill few MMA tiles
+        self.moe = eff.moe
         self.attention = eff.attention
-        self.layer_cost = (eff.layer_us * self.stage_layers + eff.moe_layer_us * self.moe_layers) / 1e6 * (cls == "gpu")
+        layers_us = eff.layer_us * self.stage_layers + eff.moe_layer_us * self.moe_layers
+        self.layer_cost = layers_us / 1e6 * (cls == "gpu")
         kv = KV_ALIASES.get(d.kv.lower(), d.kv.lower())
         self.kv_per_token = kv_bytes_per_token(model.arch, kv if kv != "fp4" else "fp4", tp=d.tp) / d.pp
         # Attention FLOPs per (query token, context token) pair: QK^T and AV, 2 each per head
@@ -67,9 +74,10 @@ class StepCost:
         precision = LOW_PRECISION.get(fmt) if cls == "gpu" else None
         peak = {"fp8": hw.fp8_tflops, "fp4": getattr(hw, "fp4_tflops", None)}.get(precision) if precision else None
         share = eff.compute[cls] * (eff.precision[precision] if peak else 1.0)
-        self.flops = ((peak or hw.bf16_tflops or 0.0) * 1e12 * share * speed) or None
+        self.flops = ((peak or hw.bf16_tflops or 0.0) * 1e12 * share * runtime["compute_speed"]) or None
         self.overhead = runtime["overhead_ms"] / 1000
-        self.per_sequence = eff.per_sequence_us / 1e6 if cls == "gpu" else 0.0
+        self.frontend = runtime["request_ms"] / 1000
+        self.per_sequence = runtime["per_sequence_us"] / 1e6  # scheduling, sampling
         self.hidden = model.hidden_size
         self.speculative = speculative  # tokens verified per decode step (1 without speculation)
 
@@ -83,7 +91,8 @@ class StepCost:
         tokens = decodes + s.prefill / pp
         ranks = d.dp if d.attention_dp else 1
         kv = self.kv_per_token * s.decode_context / pp
-        attention = (self.decode_attention * s.decode_context * self.speculative
+        attended = s.decode_context if s.attended is None else s.attended
+        attention = (self.decode_attention * attended * self.speculative
                      + self.prefill_attention * s.prefill_context) / pp
         if self.moe_layers:
             e = self.model.experts
@@ -94,7 +103,7 @@ class StepCost:
         kernel = self._roofline(self.dense_bytes, self.dense_flops * tokens)
         kernel += self._roofline(kv, attention) / self.attention  # attention kernels reach less of the peaks
         if self.moe_layers:
-            kernel += self._roofline(experts_memory, experts_flops) / self.moe
+            kernel += self._roofline(experts_memory, experts_flops / self.moe_tiles) / self.moe
         stage = kernel + self.layer_cost + self._collectives(tokens)
         hop = 0.0
         if pp > 1:
