@@ -72,6 +72,15 @@ class Workload:
     structured_output: bool = False  # requirements: runtimes without the feature are excluded
     multi_lora: bool = False
     speculative_decoding: bool = False
+    draft_tokens: int = 0  # speculative tokens verified per step (EAGLE, MTP, a draft model); 0: none
+    acceptance: float = 0.0  # the chance each draft token is accepted, as the runtime's metrics report it
+
+    @property
+    def accepted_per_step(self) -> float:
+        """Tokens a decode step yields: 1 + the expected accepted drafts, (1 - a^(k+1)) / (1 - a) for k
+        drafts each accepted with chance a until the first rejection (Leviathan et al., 2023)."""
+        a, k = self.acceptance, self.draft_tokens
+        return (1 - a ** (k + 1)) / (1 - a) if k else 1.0
 
     def check(self) -> None:
         problems = [message for bad, message in (
@@ -81,6 +90,9 @@ class Workload:
             (self.concurrency < 1, "--concurrency must be at least 1"),
             (self.request_rate is not None and self.request_rate <= 0, "--request-rate must be positive"),
             (self.slo_ttft_ms <= 0 or self.slo_tpot_ms <= 0, "SLOs must be positive"),
+            (self.draft_tokens < 0 or self.draft_tokens > 16, "--draft-tokens must lie in [0, 16]"),
+            (not 0.0 <= self.acceptance < 1.0, f"--acceptance {self.acceptance} must lie in [0, 1)"),
+            (self.acceptance > 0 and not self.draft_tokens, "--acceptance needs --draft-tokens"),
             (self.kind not in ("chat", "agent", "batch", "rag"),
              f"--workload {self.kind!r}: chat, agent, batch or rag"),
         ) if bad]
@@ -475,7 +487,7 @@ def _simulated(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
                       concurrency=workload.concurrency, rate=rate or 0.0,
                       requests=400 if rate else max(8 * workload.concurrency, 64),
                       prefix_reuse=workload.prefix_reuse if caches else 0.0, spread=TRAFFIC_SPREAD)
-    figures = predict(model, d, traffic)
+    figures = predict(model, d, traffic, accepted=workload.accepted_per_step, drafts=workload.draft_tokens)
     if not figures.fits:
         return {}
     tags = regimes(workload.prompt_tokens, workload.output_tokens, model.moe, held, hw, gpus)

@@ -56,6 +56,10 @@ def advise_command(
     multi_lora: Annotated[bool, typer.Option("--multi-lora", help="Require serving several LoRA adapters.")] = False,
     speculative_decoding: Annotated[bool, typer.Option(
         "--speculative-decoding", help="Require speculative decoding.")] = False,
+    draft_tokens: Annotated[int, typer.Option(help="Speculative tokens verified per decode step (EAGLE, MTP, a "
+                                                   "draft model); the simulation costs their verification.")] = 0,
+    acceptance: Annotated[float, typer.Option(help="With --draft-tokens: the chance each draft token is accepted "
+                                                   "(the runtime's spec-decode metrics report it).")] = 0.0,
     runtimes: Annotated[str | None, typer.Option(help="Only these runtimes, comma-separated.")] = None,
     tflops: Annotated[float | None, typer.Option(help="Dense TFLOPS per device, where the catalogue has none "
                                                       "(Apple GPUs) or to correct it.")] = None,
@@ -129,7 +133,7 @@ def advise_command(
                         weight_quant=weight_quant, new_deployment=new_deployment,
                         existing_tgi=not new_deployment, offline=offline, expert_parallel=expert_parallel,
                         structured_output=structured_output, multi_lora=multi_lora,
-                        speculative_decoding=speculative_decoding)
+                        speculative_decoding=speculative_decoding, draft_tokens=draft_tokens, acceptance=acceptance)
         overrides = {"bandwidth": derate_bandwidth, "prefill_compute": derate_prefill, "decode_compute": derate_decode}
         derates = replace(default_derates(device), **{k: v for k, v in overrides.items() if v is not None})
         report = advise(spec, device, gpus, load, derates,
@@ -201,7 +205,7 @@ KNOWN_RUNTIMES = ("vllm", "sglang", "tensorrt-llm", "lmdeploy", "llama-cpp", "tg
 
 
 def _calibration(refit: bool, output_format: str, output: Path | None) -> None:
-    from .perf.calibration import calibrate, intervals, points, to_text
+    from .perf.calibration import calibrate, intervals, points, to_page
     from .perf.efficiency import FIT, fitted
     from .perf.fit import fit
 
@@ -213,7 +217,7 @@ def _calibration(refit: bool, output_format: str, output: Path | None) -> None:
         FIT.write_text(FIT_HEADER + yaml.safe_dump({**eff.to_dict(), "residuals": intervals(report)},
                                                    sort_keys=False))
         console.print(f"fitted on {len(points())} points, written to {FIT}")
-    text = json.dumps(report.to_dict(), indent=2) if output_format == "json" else to_text(report)
+    text = json.dumps(report.to_dict(), indent=2) if output_format == "json" else to_page(report)
     if output:
         output.write_text(text)
     else:

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from advisor.perf.calibration import as_percent, calibrate, error, to_text
+from advisor.perf.calibration import as_percent, calibrate, error, to_page, to_text
 from advisor.perf.efficiency import fitted
 
 from . import conftest
@@ -50,3 +50,11 @@ def test_hard_regimes_within_the_same_bounds(report, regime):
 def test_runtime_pairs_are_ordered_as_published(report):
     right = [p for p in report.pairs if p["same_direction"]]
     assert len(right) >= 5 and len(right) > len(report.pairs) / 2
+
+
+def test_the_committed_report_is_what_the_model_says_today(report):
+    """docs/advisor-calibration.md is `servegate advise --calibration`'s output: a change to the
+    model, its fit or the points that moves any figure shows up here."""
+    from pathlib import Path
+
+    assert (Path(__file__).resolve().parents[1] / "docs" / "advisor-calibration.md").read_text() == to_page(report)

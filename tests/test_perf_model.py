@@ -199,3 +199,20 @@ def test_the_search_document_is_what_the_search_says_today():
     assert (DOCS / "advisor-search.md").read_text() == text
     for name, page in pages.items():
         assert (DOCS / name).read_text() == page, name
+
+
+def test_speculative_decoding_is_an_acceptance_rate_input():
+    """k drafts each accepted with chance a yield (1 - a^(k+1)) / (1 - a) tokens a step; the
+    verification of k + 1 tokens per sequence is what the step costs."""
+    from advisor.advise import ImpossibleRequest, Workload
+
+    assert Workload(draft_tokens=3, acceptance=0.7).accepted_per_step == pytest.approx(2.533, abs=1e-3)
+    assert Workload().accepted_per_step == 1.0
+    for bad in (Workload(acceptance=0.5), Workload(draft_tokens=2, acceptance=1.0), Workload(draft_tokens=-1)):
+        with pytest.raises(ImpossibleRequest):
+            bad.check()
+    m, d = model(LLAMA8), Deployment("vllm", hardware("h100-sxm"), weights="fp8", kv="fp8")
+    traffic = Traffic(1024, 256, load="concurrency", concurrency=8, requests=64)
+    plain = predict(m, d, traffic)
+    spec = predict(m, d, traffic, accepted=Workload(draft_tokens=3, acceptance=0.7).accepted_per_step, drafts=3)
+    assert plain.latency("tpot", 50) / 2.6 < spec.latency("tpot", 50) < plain.latency("tpot", 50) / 1.5

@@ -272,13 +272,22 @@ def intervals(report: CalibrationReport, low: float = 10, high: float = 90) -> d
     return out
 
 
+def to_page(report: CalibrationReport) -> str:
+    """The report as the Markdown page docs/advisor-calibration.md holds."""
+    return ("# The performance model against published measurements\n\n"
+            "`servegate advise --calibration --output docs/advisor-calibration.md`: every point of "
+            "`policies/catalog/calibration.yaml` estimated in its own metric with the committed fit "
+            "(`policies/catalog/perf-fit.yaml`), then with its source left out of the fit; ratio = estimate / "
+            "measured. CI recomputes it (`tests/test_perf_calibration.py`).\n\n```\n" + to_text(report) + "```\n")
+
+
 def to_text(report: CalibrationReport) -> str:
-    lines = [f"{'point':50} {'source':22} {'metric':22} {'measured':>11} {'estimate':>11} {'ratio':>6} "
+    lines = [f"{'point':50} {'source':22} {'metric':28} {'measured':>11} {'estimate':>11} {'ratio':>6} "
              f"{'left out':>8}  regimes"]
     for r in report.rows:
         p = r.point
         left = f"{r.held_out_estimate / p.value:8.2f}" if r.held_out_estimate else "       -"
-        lines.append(f"{p.id[:50]:50} {p.source[:22]:22} {(p.metric + ' ' + p.stat)[:22]:22} {p.value:11,.1f} "
+        lines.append(f"{p.id[:50]:50} {p.source[:22]:22} {(p.metric + ' ' + p.stat)[:28]:28} {p.value:11,.1f} "
                      f"{r.estimate or 0:11,.1f} {(r.ratio or 0):6.2f} {left}  {','.join(p.regimes)}")
     lines += ["", f"all {len(report.rows)} points: median error {report.median:.1f}%, worst off by "
               f"{report.worst:.2f}x; each source left out of the fit in turn: median {report.median_left_out:.1f}%",
