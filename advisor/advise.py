@@ -44,9 +44,6 @@ VERDICT_ORDER = {"recommended": 0, "viable": 1, "excluded": 2}
 # Scores closer than this tie: goodput adds up to 3 points, so 0.3 is 10% of the best estimated
 # goodput, finer than a roofline estimate resolves.
 SCORE_TIE = 0.3
-# Requests' lengths vary around the workload's means (uniformly within +-50%), as real traffic's
-# do: with every request alike, a closed loop's clients finish together and arrive in waves.
-TRAFFIC_SPREAD = 0.5
 
 
 class ImpossibleRequest(ValueError):
@@ -475,7 +472,7 @@ def _simulated(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
     from .perf.deployment import Deployment
     from .perf.efficiency import fitted
     from .perf.predict import predict
-    from .perf.simulate import Traffic
+    from .perf.simulate import TRAFFIC_SPREAD, Traffic
 
     split = m.features["tensor_parallel"].status == "yes"
     held = m.memory.compute_dtype or fmt

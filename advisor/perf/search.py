@@ -14,13 +14,12 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
-from ..advise import TRAFFIC_SPREAD
 from ..hardware import Hardware
 from ..models import ModelSpec
 from .deployment import Deployment, divides
 from .efficiency import Efficiency, fitted
 from .predict import Figures, predict
-from .simulate import Traffic
+from .simulate import TRAFFIC_SPREAD, Traffic
 
 DISAGGREGATING = ("vllm", "sglang", "tensorrt-llm")  # runtimes with a documented prefill/decode split
 GGUF_RUNTIMES = ("llama-cpp", "ollama")

@@ -17,10 +17,15 @@ import itertools
 import math
 import random
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .schedulers import Scheduler
 from .steps import Step, StepCost
+
+# Requests' lengths vary around a workload's means (uniformly within +-50%) where only the means are
+# known, as real traffic's do: with every request alike, a closed loop's clients finish together and
+# arrive in waves.
+TRAFFIC_SPREAD = 0.5
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,6 @@ class Traffic:
         """One of `ranks` data-parallel ranks' share."""
         if ranks == 1:
             return self
-        from dataclasses import replace
         return replace(self, concurrency=max(1, math.ceil(self.concurrency / ranks)), rate=self.rate / ranks,
                        requests=max(1, self.requests // ranks), trace=self.trace[::ranks])
 
@@ -72,6 +76,7 @@ class Outcome:
     duration: float = 0.0
     rejected: int = 0  # prompts the cache could never hold
     preemptions: int = 0
+    finished: list[tuple[float, float | None]] = field(default_factory=list)  # each request's (TTFT, TPOT)
 
     @property
     def completed(self) -> int:
@@ -123,8 +128,10 @@ def simulate(cost: StepCost, sched: Scheduler, kv_tokens: int, traffic: Traffic,
         r.done = clock
         out.e2e.append(r.done - r.arrival)
         out.ttft.append(r.first - r.arrival)
-        if r.output > 1:
-            out.tpot.append((r.done - r.first) / (r.output - 1))
+        tpot = (r.done - r.first) / (r.output - 1) if r.output > 1 else None
+        if tpot is not None:
+            out.tpot.append(tpot)
+        out.finished.append((r.first - r.arrival, tpot))
         out.output_tokens += r.output
         if closed and issued < traffic.requests:  # its client sends the next one
             issued += 1
