@@ -57,6 +57,8 @@ class ModelSpec:
     weights_bytes: float | None = None  # exact, when read from the weight files
     source: str = ""
     heads: int = 0  # query heads
+    vocab_size: int = 0
+    mlp_width: int = 0  # a dense layer's MLP intermediate size
 
     @property
     def moe(self) -> bool:
@@ -136,7 +138,9 @@ def _from_config(name: str, cfg: dict, source: str, total: float | None = None, 
     fmt = checkpoint or _DTYPES.get(str(text.get("torch_dtype") or cfg.get("torch_dtype") or "bfloat16"), "bf16")
     return ModelSpec(name, ARCHITECTURES.get(text.get("model_type", ""), ""), arch, float(total), float(active),
                      int(context), heads * query_dim, int(text.get("hidden_size") or text.get("n_embd") or 0), fmt,
-                     Experts.from_config(text), exact.bytes if exact else None, source, heads=int(heads))
+                     Experts.from_config(text), exact.bytes if exact else None, source, heads=int(heads),
+                     vocab_size=int(text.get("vocab_size") or 0),
+                     mlp_width=int(text.get("intermediate_size_mlp") or text.get("intermediate_size") or 0))
 
 
 def _from_gguf(path: Path) -> ModelSpec:

@@ -9,6 +9,7 @@ from policies.matrix import matrices
 from ..capacity import memory_plan
 from ..models import ModelSpec
 from .deployment import Deployment
+from .schedulers import Scheduler, scheduler
 from .steps import StepCost
 
 GIB = 2**30
@@ -27,12 +28,25 @@ def weight_bytes_per_gpu(model: ModelSpec, d: Deployment) -> float:
     return total / (d.tp * d.pp) + experts / (d.tp * (d.dp if d.attention_dp else 1) * d.pp)
 
 
+def activation_bytes(model: ModelSpec, d: Deployment, sched: Scheduler) -> float:
+    """The peak a step at the runtime's own limits holds outside the KV cache, per GPU: its
+    token budget's activations (the residual stream and a few hidden-wide buffers, the MLP's gate,
+    up and product) and, for its largest batch, float32 logits to sample from (as AIConfigurator
+    counts activations apart from its fixed reserve)."""
+    width = model.experts.params / (3 * model.hidden_size) if model.experts else model.mlp_width
+    tokens = sched.step_tokens
+    return (tokens * (4 * model.hidden_size + 3 * width) * 2 / d.tp
+            + sched.max_seqs * model.vocab_size * 4 / d.tp)
+
+
 def kv_tokens(model: ModelSpec, d: Deployment, cost: StepCost, context: int) -> int:
     """KV tokens per rank (0 when the weights do not fit)."""
     hw = d.hardware
     m = matrices().get(d.runtime) or matrices()["vllm"]
     weights = weight_bytes_per_gpu(model, d)
     reserved = (3.5e9 + (0.4e9 if d.tp * d.pp > 1 else 0)) if hw.gpu else 0.8e9 + 0.05 * weights
+    if hw.gpu:
+        reserved += activation_bytes(model, d, scheduler(d.runtime, hw))
     if m.memory.fraction_covers == "weights_and_kv":
         reserved = 0.0
     if m.memory.fraction_of == "none":
