@@ -80,6 +80,13 @@ class Workload:
         return (1 - a ** (k + 1)) / (1 - a) if k else 1.0
 
     def check(self) -> None:
+        numbers = {"--prefix-reuse": self.prefix_reuse, "--request-rate": self.request_rate,
+                   "--slo-ttft-ms": self.slo_ttft_ms, "--slo-tpot-ms": self.slo_tpot_ms,
+                   "--acceptance": self.acceptance}
+        infinite = [f"{flag} {value}: must be a finite number" for flag, value in numbers.items()
+                    if value is not None and not math.isfinite(value)]
+        if infinite:
+            raise ImpossibleRequest("; ".join(infinite))
         problems = [message for bad, message in (
             (not 0.0 <= self.prefix_reuse < 1.0, f"--prefix-reuse {self.prefix_reuse} must lie in [0, 1)"),
             (self.prompt_tokens < 1, "--prompt-tokens must be at least 1"),
@@ -120,6 +127,12 @@ def _check_fits(model: ModelSpec, gpus: int, workload: Workload, derates: Derate
     if model.max_context and total > model.max_context:
         notes.append(f"{total} tokens exceed {model.id}'s default context of {model.max_context}: it needs "
                      f"{model.scaling_note}. Turn it on only for long-context traffic.")
+    if workload.expert_parallel and not model.experts:
+        raise ImpossibleRequest(f"--expert-parallel: {model.id} is dense, it has no experts to split")
+    if workload.expert_parallel and gpus > 1 and model.experts.routed % gpus:
+        valid = [n for n in range(1, model.experts.routed + 1) if model.experts.routed % n == 0]
+        raise ImpossibleRequest(f"--gpus {gpus} --expert-parallel: {model.id}'s {model.experts.routed} routed experts "
+                                f"do not split evenly over {gpus} devices (divisors: {', '.join(map(str, valid))})")
     heads = model.attention_dim // model.arch.head_dim if model.arch.head_dim else 0
     if gpus > 1 and heads and heads % gpus:
         valid = [n for n in range(1, heads + 1) if heads % n == 0]
@@ -127,6 +140,14 @@ def _check_fits(model: ModelSpec, gpus: int, workload: Workload, derates: Derate
         raise ImpossibleRequest(f"--gpus {gpus}: tensor parallelism splits {model.id}'s {heads} attention heads "
                                 f"evenly across the devices; use {' or '.join(map(str, sorted(nearest)))} "
                                 f"(divisors of {heads}: {', '.join(map(str, valid))})")
+    kv = model.arch.kv_heads
+    if gpus > 1 and kv and (gpus % kv if gpus > kv else kv % gpus):
+        raise ImpossibleRequest(f"--gpus {gpus}: tensor parallelism shards {model.id}'s {kv} KV heads, or replicates "
+                                f"them when the devices are a multiple of {kv}; {gpus} is neither a divisor nor a "
+                                f"multiple")
+    if gpus > 1 and model.mlp_width and not model.experts and model.mlp_width % gpus:
+        raise ImpossibleRequest(f"--gpus {gpus}: tensor parallelism splits {model.id}'s MLP width "
+                                f"({model.mlp_width}) evenly across the devices, which {gpus} does not divide")
     for name, value in (("bandwidth", derates.bandwidth), ("prefill", derates.prefill_compute),
                         ("decode", derates.decode_compute)):
         if not 0 < value <= 1:

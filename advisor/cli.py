@@ -118,8 +118,9 @@ def advise_command(
     if model is None:
         raise typer.BadParameter("a model is required (a catalogue id or a local path)", param_hint="--model")
     for flag, value in (("--tflops", tflops), ("--bandwidth-gbs", bandwidth_gbs)):
-        if value is not None and value <= 0:
-            raise typer.BadParameter(f"{value:g}: a device's figure must be positive", param_hint=flag)
+        if value is not None and not (0 < value < float("inf")):  # NaN fails both comparisons
+            raise typer.BadParameter(f"{value:g}: a device's figure must be a positive, finite number",
+                                     param_hint=flag)
     if trace is not None:
         prompt_tokens, output_tokens = _trace_sizes(trace)
     try:
@@ -239,15 +240,22 @@ def _list_hardware() -> None:
 
 
 def _trace_sizes(path: Path) -> tuple[int, int]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except FileNotFoundError:
+        raise typer.BadParameter(f"{path}: no such file", param_hint="--trace") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, IsADirectoryError) as exc:
+        raise typer.BadParameter(f"{path}: not a JSONL trace ({exc})", param_hint="--trace") from None
     if not rows:
         raise typer.BadParameter(f"{path} holds no requests", param_hint="--trace")
     try:
         prompts = [int(r.get("input_length", r.get("prompt_tokens"))) for r in rows]
         outputs = [int(r.get("output_length", r.get("max_tokens"))) for r in rows]
-    except (TypeError, ValueError):
+        if min(prompts) < 1 or min(outputs) < 1:
+            raise ValueError
+    except (TypeError, ValueError, AttributeError, OverflowError):
         raise typer.BadParameter(f"{path}: every line needs input_length (or prompt_tokens) and output_length "
-                                 "(or max_tokens)", param_hint="--trace") from None
+                                 "(or max_tokens), positive integers", param_hint="--trace") from None
     return round(sum(prompts) / len(prompts)), round(sum(outputs) / len(outputs))
 
 

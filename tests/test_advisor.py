@@ -636,3 +636,62 @@ def test_the_examples_document_is_what_the_advisor_says_today():
 
     assert len(SCENARIOS) >= 9 and set(WHY) == {s[0] for s in SCENARIOS}
     assert (Path(__file__).resolve().parents[1] / "docs" / "advisor-examples.md").read_text() == render()
+
+
+LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--request-rate", "nan"], "--request-rate nan"),
+    (["--request-rate", "inf"], "--request-rate inf"),
+    (["--request-rate", "-2"], "--request-rate must be positive"),
+    (["--request-rate", "0"], "--request-rate must be positive"),
+    (["--slo-ttft-ms", "nan"], "--slo-ttft-ms nan"),
+    (["--slo-tpot-ms", "inf"], "--slo-tpot-ms inf"),
+    (["--slo-ttft-ms", "0"], "SLOs must be positive"),
+    (["--slo-tpot-ms", "-5"], "SLOs must be positive"),
+    (["--prefix-reuse", "nan"], "--prefix-reuse nan"),
+    (["--prefix-reuse", "1"], "--prefix-reuse 1.0 must lie in [0, 1)"),
+    (["--prefix-reuse", "-0.1"], "--prefix-reuse -0.1 must lie in [0, 1)"),
+    (["--prompt-tokens", "0"], "--prompt-tokens must be at least 1"),
+    (["--output-tokens", "0"], "--output-tokens must be at least 1"),
+    (["--concurrency", "0"], "--concurrency must be at least 1"),
+    (["--tflops", "nan"], "--tflops"),
+    (["--tflops", "inf"], "--tflops"),
+    (["--bandwidth-gbs", "nan"], "--bandwidth-gbs"),
+    (["--bandwidth-gbs", "inf"], "--bandwidth-gbs"),
+    (["--bandwidth-gbs", "0"], "--bandwidth-gbs"),
+    (["--derate-prefill", "nan"], "--derate-prefill nan"),
+    (["--derate-bandwidth", "2"], "--derate-bandwidth 2"),
+    (["--derate-decode", "-1"], "--derate-decode -1"),
+    (["--acceptance", "0.5"], "--acceptance needs --draft-tokens"),
+    (["--draft-tokens", "3", "--acceptance", "1"], "--acceptance 1.0 must lie in [0, 1)"),
+    (["--draft-tokens", "3", "--acceptance", "nan"], "--acceptance nan"),
+    (["--draft-tokens", "-1"], "--draft-tokens must lie in [0, 16]"),
+    (["--kv-cache-dtype", "fp7"], "--kv-cache-dtype 'fp7'"),
+    (["--weight-quant", "int3"], "--weight-quant: unknown weight format 'int3'"),
+    (["--workload", "poetry"], "--workload 'poetry'"),
+    (["--format", "pdf"], "md, html or json"),
+    (["--trace", "/nonexistent/trace.jsonl"], "no such file"),
+    (["--model", "Qwen/Qwen2.5-7B-Instruct", "--hardware", "h100-sxm", "--gpus", "7"], "4 KV heads"),
+    (["--model", "Qwen/Qwen2.5-7B-Instruct", "--hardware", "h100-sxm", "--gpus", "3"], "28 attention heads"),
+    (["--model", "Qwen/Qwen2.5-7B-Instruct", "--hardware", "h100-sxm", "--gpus", "14"], "neither a divisor nor"),
+    (["--model", "mistralai/Mixtral-8x7B-Instruct-v0.1", "--hardware", "h100-sxm", "--gpus", "16",
+      "--expert-parallel"], "8 routed experts"),
+    (["--expert-parallel"], "is dense, it has no experts to split"),
+    (["--model", "no/such-model"], "no/such-model"),
+    (["--hardware", "h1000"], "unknown hardware 'h1000'"),
+    (["--runtimes", "vllm,warp9"], "warp9"),
+    (["--gpus", "0"], "--gpus"),
+])
+def test_bad_inputs_exit_2_naming_the_input_never_a_traceback(args, says):
+    """Each of these passed silently (NaN SLOs printed back as alternatives, an infinite bandwidth's
+    0.87 ms TPOT, --expert-parallel on a dense model ignored, 7 GPUs for 4 KV heads recommended)
+    or died in a traceback."""
+    base = {"--model": LLAMA, "--hardware": "l4"}
+    given = dict(zip(args[::2], args[1::2], strict=False))
+    command = ["advise", *[x for k, v in base.items() if k not in given for x in (k, v)], *args]
+    result = CliRunner().invoke(app, command)
+    output = " ".join(result.output.split())
+    assert result.exit_code == 2 and says in output, output
+    assert "Traceback" not in output and not isinstance(result.exception, (ValueError, TypeError))
