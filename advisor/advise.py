@@ -26,6 +26,7 @@ from .capacity import (
     bits_per_weight,
     kv_bytes_per_token,
     memory_plan,
+    reserved_bytes,
     tensor_parallel_seconds,
 )
 from .hardware import Hardware
@@ -402,10 +403,7 @@ def _memory(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: Work
     held = m.memory.compute_dtype or fmt
     exact = model.weights_bytes if model.weights_bytes and held == model.checkpoint_format.lower() else None
     weights = (exact or model.weight_bytes(held)) / gpus
-    if hw.gpu:  # AIConfigurator's system files: 3.5 GB "other" plus NCCL buffers with tensor parallelism
-        reserved = 3.5e9 + (0.4e9 if gpus > 1 else 0)
-    else:  # tools.metakraftlabs.com: 0.8 GB plus 5% of the weights
-        reserved = 0.8e9 + 0.05 * weights
+    reserved = reserved_bytes(hw.gpu, gpus, weights)
     if m.memory.fraction_covers == "weights_and_kv":  # activations and graphs are already outside the fraction
         reserved = 0.0
     if m.memory.fraction_of == "none":

@@ -267,6 +267,13 @@ class MemoryPlan:
         return self.max_sequences >= 1
 
 
+def reserved_bytes(gpu: bool, devices: int, weights: float) -> float:
+    """What a device keeps outside weights and KV: on a GPU 3.5 GB "other" plus NCCL buffers with
+    tensor parallelism (AIConfigurator's system files); elsewhere 0.8 GB plus 5% of the weights
+    (tools.metakraftlabs.com)."""
+    return 3.5e9 + (0.4e9 if devices > 1 else 0) if gpu else 0.8e9 + 0.05 * weights
+
+
 def memory_plan(capacity: float, weights: float, kv_per_token: float, context: int, fraction_of: str,
                 fraction: float | None, reserved: float) -> MemoryPlan:
     """The KV budget under a runtime's memory semantics (sources in the matrices' `memory`):

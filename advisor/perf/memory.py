@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from policies.matrix import matrices
 
-from ..capacity import memory_plan
+from ..capacity import memory_plan, reserved_bytes
 from ..models import ModelSpec
 from .deployment import Deployment
 from .schedulers import Scheduler, scheduler
@@ -44,7 +44,7 @@ def kv_tokens(model: ModelSpec, d: Deployment, cost: StepCost, context: int) -> 
     hw = d.hardware
     m = matrices().get(d.runtime) or matrices()["vllm"]
     weights = weight_bytes_per_gpu(model, d)
-    reserved = (3.5e9 + (0.4e9 if d.tp * d.pp > 1 else 0)) if hw.gpu else 0.8e9 + 0.05 * weights
+    reserved = reserved_bytes(hw.gpu, d.tp * d.pp, weights)
     if hw.gpu:
         reserved += activation_bytes(model, d, scheduler(d.runtime, hw))
     if m.memory.fraction_covers == "weights_and_kv":

@@ -144,7 +144,7 @@ def search(model: ModelSpec, pool: Pool, prompt: int, output: int, slos: list[tu
 
 def _option(model: ModelSpec, d: Deployment, prompt: int, output: int, concurrency: int,
             slos: list[tuple[str, str, float]], pool: Pool, eff: Efficiency) -> Option | None:
-    total = concurrency * max(1, d.dp if not d.attention_dp else d.dp)
+    total = concurrency * d.dp  # per rank, data-parallel or attention-DP alike
     traffic = Traffic(prompt, output, load="concurrency", concurrency=total, requests=max(4 * total, 64),
                       spread=TRAFFIC_SPREAD)
     if d.prefill_workers:
