@@ -10,9 +10,9 @@ replaces them with `servegate bench` figures."""
 from __future__ import annotations
 
 import math
-import shlex
 from dataclasses import asdict, dataclass, field, replace
 
+from backends.launch import LaunchError, lora_modules
 from backends.runtimes import serving
 from policies import rules
 from policies.matrix import Cell, Matrix, matrices
@@ -36,15 +36,18 @@ GIB = 2**30
 # Requested KV dtypes -> the matrices' keys.
 KV_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "nvfp4": "fp4", "fp4_e2m1": "fp4", "f16": "auto",
               "fp16": "auto", "bf16": "auto", "auto": "auto"}
-# Weight formats -> the matrices' keys (any GGUF type is `gguf`).
-WEIGHT_KEYS = {"fp32": "bf16", "fp16": "bf16", "bf16": "bf16", "fp8": "fp8", "awq": "awq", "gptq": "gptq",
-               "int8": "int8_w8a8", "int8_w8a8": "int8_w8a8", "bitsandbytes": "bitsandbytes", "nvfp4": "nvfp4",
-               "mxfp4": "mxfp4", "exl2": "exl2", "gguf": "gguf"}
+# Weight formats -> the matrices' keys, one vocabulary for framework dtypes and GGUF's type names:
+# GGUF's float types (F32, F16, BF16) and its MXFP4/NVFP4 are those formats; its quantized types
+# (Q8_0, Q4_K_M, IQ2_XS, ...) are `gguf`.
+WEIGHT_KEYS = {"fp32": "bf16", "f32": "bf16", "fp16": "bf16", "f16": "bf16", "bf16": "bf16", "fp8": "fp8",
+               "awq": "awq", "gptq": "gptq", "int8": "int8_w8a8", "int8_w8a8": "int8_w8a8",
+               "bitsandbytes": "bitsandbytes", "nvfp4": "nvfp4", "mxfp4": "mxfp4", "exl2": "exl2", "gguf": "gguf"}
 REQUIREMENTS = ("structured_output", "multi_lora", "speculative_decoding")  # Workload flags = matrix features
 VERDICT_ORDER = {"recommended": 0, "viable": 1, "excluded": 2}
 # Scores closer than this tie: goodput adds up to 3 points, so 0.3 is 10% of the best estimated
 # goodput, finer than a roofline estimate resolves.
 SCORE_TIE = 0.3
+CURVE_SHARES = (0.1, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5)  # offered rates for the goodput curve, of the roofline's capacity
 
 
 class ImpossibleRequest(ValueError):
@@ -72,6 +75,20 @@ class Workload:
     speculative_decoding: bool = False
     draft_tokens: int = 0  # speculative tokens verified per step (EAGLE, MTP, a draft model); 0: none
     acceptance: float = 0.0  # the chance each draft token is accepted, as the runtime's metrics report it
+    lora_adapters: int = 0  # LoRA adapters served beside the base model (implies multi_lora)
+    lora_rank: int = 16  # the largest adapter's rank
+    lora_paths: list[str] = field(default_factory=list)  # NAME=PATH of the adapters, for the launch lines
+    max_context: int | None = None  # the longest request (prompt + output); None: the model's context
+
+    def __post_init__(self) -> None:
+        self.lora_adapters = max(self.lora_adapters, len(self.lora_paths))
+        self.multi_lora = self.multi_lora or self.lora_adapters > 0
+
+    @property
+    def lora_slots(self) -> int:
+        """Adapters one batch may mix, each held on the device: every adapter, up to the requests
+        in flight."""
+        return min(self.lora_adapters, max(self.concurrency, 1))
 
     @property
     def accepted_per_step(self) -> float:
@@ -98,6 +115,11 @@ class Workload:
             (self.draft_tokens < 0 or self.draft_tokens > 16, "--draft-tokens must lie in [0, 16]"),
             (not 0.0 <= self.acceptance < 1.0, f"--acceptance {self.acceptance} must lie in [0, 1)"),
             (self.acceptance > 0 and not self.draft_tokens, "--acceptance needs --draft-tokens"),
+            (self.lora_adapters < 0, "--lora-adapters must be at least 0"),
+            (not 1 <= self.lora_rank <= 512, f"--lora-rank {self.lora_rank} must lie in [1, 512]"),
+            (self.max_context is not None and self.max_context < self.prompt_tokens + self.output_tokens,
+             f"--max-context {self.max_context} is below --prompt-tokens + --output-tokens "
+             f"({self.prompt_tokens + self.output_tokens})"),
             (self.kind not in ("chat", "agent", "batch", "rag"),
              f"--workload {self.kind!r}: chat, agent, batch or rag"),
         ) if bad]
@@ -108,6 +130,10 @@ class Workload:
                 bits_per_weight(self.weight_quant)
             except ValueError as exc:
                 problems.append(f"--weight-quant: {exc}")
+        try:
+            lora_modules(self.lora_paths)
+        except LaunchError as exc:
+            problems.append(f"--lora: {exc}")
         if problems:
             raise ImpossibleRequest("; ".join(problems))
 
@@ -116,8 +142,11 @@ def _check_fits(model: ModelSpec, gpus: int, workload: Workload, derates: Derate
     """What no runtime could serve, said with the nearest valid choice; notes on what only a
     non-default setting serves."""
     notes = []
-    total = workload.prompt_tokens + workload.output_tokens
+    total = workload.max_context or workload.prompt_tokens + workload.output_tokens
     longest = model.scaled_context or model.max_context
+    if model.max_context and workload.max_context and total > longest:
+        raise ImpossibleRequest(f"--max-context {total} exceeds {model.id}'s context of {longest} tokens"
+                                + (f" (with {model.scaling_note})" if model.scaled_context else ""))
     if model.max_context and total > longest:
         room = longest - workload.output_tokens
         raise ImpossibleRequest(
@@ -205,6 +234,8 @@ def advise(model: ModelSpec, hardware: Hardware, gpus: int, workload: Workload, 
     notes = context_notes + _rank(candidates)
     summary = _summary(candidates, workload)
     viable = [c for c in candidates if c.verdict != "excluded"]
+    if workload.request_rate and viable and (short := _beyond_capacity(viable, hardware, gpus, workload)):
+        summary, explore = short, False
     if not viable and any(r["rule"] == "does-not-fit" for c in candidates for r in c.reasons):
         summary += " " + _what_would_fit(chosen, model, hardware, gpus, workload)
     alternatives = []
@@ -220,11 +251,13 @@ def advise(model: ModelSpec, hardware: Hardware, gpus: int, workload: Workload, 
 
 def _alternatives(model: ModelSpec, hw: Hardware, gpus: int, workload: Workload, derates: Derates,
                   runtimes: list[str] | None, viable: list[Candidate]) -> list[dict]:
-    """What would meet the SLO, each estimated by the same model: lighter weights, more devices
-    of this kind, or the SLO the fastest candidate reaches at this load."""
+    """What would meet the SLO, each estimated by the same model: lighter weights (in formats this
+    kind of device runs), more devices of this kind, or the SLO the fastest candidate reaches at
+    this load."""
     tries = []
     fmt = (workload.weight_quant or model.checkpoint_format).lower()
-    for lighter in ("fp8", "awq"):
+    # A GPU's runtimes load FP8 and AWQ checkpoints; on a CPU or a Mac it is GGUF's types llama.cpp runs.
+    for lighter in ("fp8", "awq") if hw.gpu else ("Q8_0", "Q4_K_M"):
         if bits_per_weight(lighter) < bits_per_weight(fmt):
             tries.append((f"--weight-quant {lighter}", gpus, replace(workload, weight_quant=lighter)))
     if hw.gpu:
@@ -325,12 +358,12 @@ def _candidate(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
             "kv_cache": kv_cell.status if kv_cell else "-", "kv_cache_note": kv_cell.note if kv_cell else "",
             "kv_requires": list(kv_cell.requires) if kv_cell else [],
             "weight_quant": weight_cell.status, "weight_quant_note": weight_cell.note,
-            "moe": m.moe["support"].status, "expert_parallel": m.moe["expert_parallel"].status,
-            "prefix_caching": m.features["prefix_caching"].status,
+            "moe": m.moe["support"].on(hw.family), "expert_parallel": m.moe["expert_parallel"].on(hw.family),
+            "prefix_caching": m.features["prefix_caching"].on(hw.family),
             "prefix_caching_default": bool(m.features["prefix_caching"].default),
-            "continuous_batching": m.features["continuous_batching"].status,
-            "tensor_parallel": m.features["tensor_parallel"].status,
-            **{need: m.features[need].status for need in REQUIREMENTS},
+            "continuous_batching": m.features["continuous_batching"].on(hw.family),
+            "tensor_parallel": m.features["tensor_parallel"].on(hw.family),
+            **{need: m.features[need].on(hw.family) for need in REQUIREMENTS},
         },
         "model": {"id": model.id, "architecture": model.architecture or "unknown", "moe": model.moe,
                   "params_b": model.params_total / 1e9},
@@ -365,7 +398,8 @@ def _candidate(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
     }
     if candidate.verdict != "excluded":
         candidate.estimates = _estimates(m, model, hw, gpus, workload, derates, plan, weight_format)
-        candidate.estimates["simulated"] = _simulated(m, model, hw, gpus, workload, weight_format, kv_key)
+        candidate.estimates["simulated"] = _simulated(m, model, hw, gpus, workload, weight_format, kv_key,
+                                                      candidate.estimates.get("goodput_requests_per_s") or 0.0)
         candidate.launch = _launch(m, model, gpus, workload, kv_cell, plan)
     return candidate
 
@@ -381,7 +415,8 @@ def _kv_cell(m: Matrix, workload: Workload, hw: Hardware) -> tuple[str, Cell | N
 
 
 def _weight_key(fmt: str) -> str:
-    return WEIGHT_KEYS.get(fmt, "gguf" if fmt.upper() in GGUF_BITS or fmt.upper().startswith(("Q", "IQ")) else fmt)
+    quantized = fmt.upper() in GGUF_BITS or fmt.upper().startswith(("Q", "IQ"))
+    return WEIGHT_KEYS.get(fmt.lower(), "gguf" if quantized else fmt)
 
 
 def _weight_cell(m: Matrix, fmt: str, hw: Hardware) -> Cell:
@@ -390,20 +425,25 @@ def _weight_cell(m: Matrix, fmt: str, hw: Hardware) -> Cell:
 
 def _cell_on(m: Matrix, cell: Cell | None, hw: Hardware, missing: str) -> Cell:
     """A cell as it reads on this hardware: `no` where the matrix has none (saying `missing`) or
-    where the cell holds only on other hardware families."""
+    where its source says so, `unknown` where its source covers other families only."""
     if cell is None:
         return Cell(status="no", source=m.memory.source, checked=m.memory.checked, note=missing)
-    if not cell.holds_on(hw.family):
-        return cell.model_copy(update={"status": "no", "note": f"only on {', '.join(cell.hardware)}: {cell.note}"})
-    return cell
+    status = cell.on(hw.family)
+    if status == cell.status:
+        return cell
+    where = f"holds on {', '.join(cell.hardware)}"
+    note = (f"not on {hw.family}; {where}" if status == "no" else
+            f"its source does not cover {hw.family} ({where})")
+    return cell.model_copy(update={"status": status, "note": f"{note}: {cell.note}" if cell.note else note})
 
 
 def _memory(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: Workload, fmt: str, kv_key: str):
     capacity = hw.memory_gib * GIB
     held = m.memory.compute_dtype or fmt
     exact = model.weights_bytes if model.weights_bytes and held == model.checkpoint_format.lower() else None
-    weights = (exact or model.weight_bytes(held)) / gpus
-    reserved = reserved_bytes(hw.gpu, gpus, weights)
+    adapters = workload.lora_slots * model.lora_params(workload.lora_rank) * 2  # bf16, on every device's share
+    weights = ((exact or model.weight_bytes(held)) + adapters) / gpus
+    reserved = reserved_bytes(hw.gpu, gpus, weights, m.memory.reserve_gib if hw.gpu else None)
     if m.memory.fraction_covers == "weights_and_kv":  # activations and graphs are already outside the fraction
         reserved = 0.0
     if m.memory.fraction_of == "none":
@@ -423,9 +463,9 @@ def _estimates(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
     tflops = hw.fp8_tflops if fp8 else hw.bf16_tflops
     # Tensor parallelism reads every device's share at once; a layer split (llama.cpp's -sm layer)
     # passes each token through the devices one after another, at one device's speed.
-    parallel = gpus if m.features["tensor_parallel"].status == "yes" else 1
+    parallel = gpus if m.features["tensor_parallel"].on(hw.family) == "yes" else 1
     roof = Roofline(hw.bandwidth_gbs * 1e9 * parallel, tflops * 1e12 * parallel if tflops else None, derates)
-    caches = m.features["prefix_caching"].status == "yes"
+    caches = m.features["prefix_caching"].on(hw.family) == "yes"
     prompt = max(1, round(workload.prompt_tokens * (1 - workload.prefix_reuse))) if caches else workload.prompt_tokens
 
     def collectives(tokens: int) -> float:
@@ -439,8 +479,10 @@ def _estimates(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
     kv_total = plan.kv_bytes_per_token * gpus
 
     def terms(batch: int) -> tuple[float, float]:
-        return roof.decode_terms(model.weight_bytes(held, tokens=batch), batch * mean_context * kv_total,
-                                 model.params_active, batch)
+        lora = model.lora_params(workload.lora_rank) if workload.lora_slots else 0.0
+        adapters = min(workload.lora_slots, batch) * lora * 2  # each adapter the batch mixes, read once
+        return roof.decode_terms(model.weight_bytes(held, tokens=batch) + adapters, batch * mean_context * kv_total,
+                                 model.params_active + lora, batch)
 
     def tpot(batch: int) -> float:
         """A decode step: the weights its batch reads (a MoE layer's union of experts), the KV,
@@ -483,7 +525,7 @@ def _estimates(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
 
 
 def _simulated(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: Workload, fmt: str,
-               kv_key: str) -> dict:
+               kv_key: str, anchor: float) -> dict:
     """The runtime's own scheduler run over this workload (advisor.perf): p50/p90/p99 TTFT, TPOT
     and end-to-end, throughput, goodput at the SLO, and the range the calibration gives estimates
     in these regimes. Empty where the model does not fit the runtime's memory."""
@@ -493,11 +535,12 @@ def _simulated(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
     from .perf.predict import predict
     from .perf.simulate import TRAFFIC_SPREAD, Traffic
 
-    split = m.features["tensor_parallel"].status == "yes"
+    split = m.features["tensor_parallel"].on(hw.family) == "yes"
     held = m.memory.compute_dtype or fmt
     kv = kv_key if kv_key in KV_DTYPE_BYTES else "bf16"
-    d = Deployment(m.runtime, hw, tp=gpus if split else 1, pp=1 if split else gpus, weights=held, kv=kv)
-    caches = m.features["prefix_caching"].status == "yes" and bool(m.features["prefix_caching"].default)
+    d = Deployment(m.runtime, hw, tp=gpus if split else 1, pp=1 if split else gpus, weights=held, kv=kv,
+                   lora_slots=workload.lora_slots, lora_rank=workload.lora_rank)
+    caches = m.features["prefix_caching"].on(hw.family) == "yes" and bool(m.features["prefix_caching"].default)
     rate = workload.request_rate
     traffic = Traffic(workload.prompt_tokens, workload.output_tokens, load="rate" if rate else "concurrency",
                       concurrency=workload.concurrency, rate=rate or 0.0,
@@ -508,8 +551,15 @@ def _simulated(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
         return {}
     tags = regimes(workload.prompt_tokens, workload.output_tokens, model.moe, held, hw, gpus)
     low, high = fitted().range_for(tags)
+    # Goodput as the offered rate grows to past what the roofline says one deployment serves.
+    top = max(anchor, rate or 0.0, 0.1)
+    curve = []
+    for share in CURVE_SHARES:
+        offered = replace(traffic, load="rate", rate=top * share, requests=300)
+        at = predict(model, d, offered, accepted=workload.accepted_per_step, drafts=workload.draft_tokens)
+        curve.append([top * share, at.goodput(workload.slo_ttft_ms, workload.slo_tpot_ms)])
     return {**figures.summary(), "goodput_requests_per_s": figures.goodput(workload.slo_ttft_ms, workload.slo_tpot_ms),
-            "range": [low, high], "regimes": tags, "deployment": d.describe()}
+            "range": [low, high], "regimes": tags, "deployment": d.describe(), "goodput_curve": curve}
 
 
 def _largest(ok, limit: int) -> int:
@@ -526,40 +576,62 @@ def _largest(ok, limit: int) -> int:
 
 def _launch(m: Matrix, model: ModelSpec, gpus: int, workload: Workload, kv_cell: Cell | None, plan) -> dict:
     """Ready commands: `servegate launch` and the runtime's own line (built by backends.launch,
-    the one flag-translation table), or the matrix's template; and the gateway backend entry."""
-    from backends.launch import LaunchError, LaunchSpec, shell_line
+    the one flag-translation table), or the matrix's template; and the gateway backend entry.
+    Each request may run to the longest context asked for (the model's own by default) as far as
+    the KV cache holds one; LoRA adapters are loaded at start."""
+    from backends.launch import LaunchError, LaunchSpec, servegate_line, shell_line
 
-    context = workload.prompt_tokens + workload.output_tokens
+    out: dict = {}
+    longest = workload.max_context or model.max_context or workload.prompt_tokens + workload.output_tokens
+    context = min(longest, plan.kv_tokens)
+    if context < longest:
+        out["context_note"] = (f"the KV cache holds {plan.kv_tokens:,} tokens here: requests are capped at {context:,} "
+                               f"of the {longest:,} asked for")
     slots = max(1, min(workload.concurrency, plan.max_sequences))
     kv = (workload.kv_cache_dtype or "").lower() or None
-    out: dict = {}
+    adapters = _adapters(workload)
     if m.launch.servegate:
         spec = LaunchSpec(runtime=m.launch.servegate, model=model.id, port=8001, context_length=context,
                           tensor_parallel=gpus, expert_parallel=workload.expert_parallel,
-                          kv_cache_dtype=kv if kv and kv_cell else None, max_running_requests=slots)
+                          kv_cache_dtype=kv if kv and kv_cell else None, max_running_requests=slots,
+                          kv_tokens=min(plan.kv_tokens, slots * context) if m.memory.fraction_of == "none" else None,
+                          lora_modules=adapters, max_loras=workload.lora_slots or None,
+                          max_lora_rank=workload.lora_rank if adapters else None)
         try:
             out["runtime_command"] = shell_line(spec, portable=True)
         except LaunchError as exc:
             out["note"] = str(exc)
         else:
-            flags = [f"--model {shlex.quote(model.id)}", f"--context-length {context}", f"--tp {gpus}",
-                     f"--max-running-requests {slots}"] + ([f"--kv-cache-dtype {kv}"] if kv and kv_cell else []) \
-                + (["--expert-parallel"] if workload.expert_parallel else [])
-            out["servegate_command"] = f"servegate launch {m.launch.servegate} " + " ".join(flags)
+            out["servegate_command"] = servegate_line(spec)
     else:
+        lora = m.features["multi_lora"]
+        pairs = " ".join(f"{name}={path}" for name, path in adapters.items())
         text = m.launch.command.format(model=model.id, tp=gpus, context=context, slots=slots,
-                                       kv=kv_cell.flag if kv_cell and kv_cell.flag else "")
+                                       kv=kv_cell.flag if kv_cell and kv_cell.flag else "",
+                                       lora=f"{lora.flag} {pairs}" if adapters and lora.flag else "")
         expert = m.moe["expert_parallel"]
         if workload.expert_parallel and expert.flag:  # LMDeploy's --ep N, TensorRT-LLM's --ep_size N
             text += f" {expert.flag} {gpus}"
         out["runtime_command"] = " ".join(text.split())
+        if adapters and not lora.flag:
+            out["note"] = f"{m.name} takes LoRA adapters otherwise than by a launch flag: {lora.note}"
     if m.runtime in ("llama-cpp", "ollama") and not model.id.endswith(".gguf"):
         out["note"] = "llama.cpp serves GGUF files: convert the checkpoint (convert_hf_to_gguf.py) or pass a .gguf"
+    if adapters and not workload.lora_paths:
+        out["lora_note"] = (f"the adapter paths are placeholders for the {workload.lora_adapters} adapters asked for: "
+                            "give them with --lora NAME=PATH")
     kind = serving(m.runtime)
     out["gateway_backend"] = ({"name": "local", "kind": kind.id} if kind is not None and not kind.remote else
                               {"name": m.runtime, "kind": kind.id if kind else "openai", "url": "http://127.0.0.1:8001",
                                "model": model.id})
     return out
+
+
+def _adapters(workload: Workload) -> dict[str, str]:
+    """The LoRA adapters to load at start: those given, else placeholders for the count asked for."""
+    if workload.lora_paths:
+        return lora_modules(workload.lora_paths)
+    return {f"adapter-{i}": f"./adapters/adapter-{i}" for i in range(1, workload.lora_adapters + 1)}
 
 
 def _rank(candidates: list[Candidate]) -> list[str]:
@@ -641,6 +713,25 @@ def _unverified_lead(a: Candidate, b: Candidate, estimated: dict[str, float]) ->
     return amount, cells
 
 
+def _beyond_capacity(viable: list[Candidate], hw: Hardware, gpus: int, workload: Workload) -> str | None:
+    """Where the asked rate is beyond what every viable runtime serves within the SLO on these
+    devices: none is recommended, and the answer is how many devices the best one would need."""
+    def capacity(c: Candidate) -> float:
+        return c.estimates.get("goodput_requests_per_s") or 0.0
+
+    best = max(viable, key=capacity)
+    if capacity(best) >= workload.request_rate:
+        return None
+    for c in viable:
+        c.verdict = "viable"
+    if not capacity(best):
+        return None  # none meets the SLO at any rate: the summary already says so
+    replicas = math.ceil(workload.request_rate / capacity(best))
+    return (f"Not servable on {gpus} x {hw.id}: {workload.request_rate:g} req/s is beyond what any runtime serves "
+            f"there within the SLO (best: {best.name} at {capacity(best):.2f} req/s); it needs at least "
+            f"{replicas * gpus:,} x {hw.id} ({replicas:,} replicas of {gpus}).")
+
+
 def _summary(candidates: list[Candidate], workload: Workload) -> str:
     viable = [c for c in candidates if c.verdict != "excluded"]
     if not viable:
@@ -666,7 +757,7 @@ def _cell_at(m: Matrix, path: str | None) -> Cell | None:
 
 def _describe(m: Matrix, cell: Cell) -> dict:
     return {"status": cell.status, "note": cell.note, "source": m.sources[cell.source].ref if cell.source in m.sources
-            else cell.source, "checked": cell.checked}
+            else cell.source, "checked": cell.checked, "line": cell.line}
 
 
 def _model_facts(model: ModelSpec) -> dict:

@@ -267,10 +267,13 @@ class MemoryPlan:
         return self.max_sequences >= 1
 
 
-def reserved_bytes(gpu: bool, devices: int, weights: float) -> float:
-    """What a device keeps outside weights and KV: on a GPU 3.5 GB "other" plus NCCL buffers with
-    tensor parallelism (AIConfigurator's system files); elsewhere 0.8 GB plus 5% of the weights
-    (tools.metakraftlabs.com)."""
+def reserved_bytes(gpu: bool, devices: int, weights: float, own_gib: float | None = None) -> float:
+    """What a device keeps outside weights and KV: the runtime's own figure where its matrix has
+    one (llama.cpp's and Ollama's compute buffers and device context); else on a GPU 3.5 GB
+    "other" plus NCCL buffers with tensor parallelism (AIConfigurator's system files, after
+    vLLM-like runtimes); elsewhere 0.8 GB plus 5% of the weights (tools.metakraftlabs.com)."""
+    if own_gib is not None:
+        return own_gib * 2**30
     return 3.5e9 + (0.4e9 if devices > 1 else 0) if gpu else 0.8e9 + 0.05 * weights
 
 

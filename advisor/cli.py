@@ -54,6 +54,13 @@ def advise_command(
     structured_output: Annotated[bool, typer.Option(
         "--structured-output", help="Require JSON-schema or grammar-constrained output.")] = False,
     multi_lora: Annotated[bool, typer.Option("--multi-lora", help="Require serving several LoRA adapters.")] = False,
+    lora_adapters: Annotated[int, typer.Option(help="LoRA adapters served beside the model: their memory and compute "
+                                                    "count in the estimate, and the launch lines load them.")] = 0,
+    lora_rank: Annotated[int, typer.Option(help="The largest adapter's rank.")] = 16,
+    lora: Annotated[list[str] | None, typer.Option(help="NAME=PATH of an adapter for the launch lines; "
+                                                        "repeatable.")] = None,
+    max_context: Annotated[int | None, typer.Option(help="The longest request, prompt + output (default: the model's "
+                                                         "context): the launch lines' --max-model-len.")] = None,
     speculative_decoding: Annotated[bool, typer.Option(
         "--speculative-decoding", help="Require speculative decoding.")] = False,
     draft_tokens: Annotated[int, typer.Option(help="Speculative tokens verified per decode step (EAGLE, MTP, a "
@@ -134,7 +141,9 @@ def advise_command(
                         weight_quant=weight_quant, new_deployment=new_deployment,
                         existing_tgi=not new_deployment, offline=offline, expert_parallel=expert_parallel,
                         structured_output=structured_output, multi_lora=multi_lora,
-                        speculative_decoding=speculative_decoding, draft_tokens=draft_tokens, acceptance=acceptance)
+                        speculative_decoding=speculative_decoding, draft_tokens=draft_tokens, acceptance=acceptance,
+                        lora_adapters=lora_adapters, lora_rank=lora_rank, lora_paths=list(lora or []),
+                        max_context=max_context)
         overrides = {"bandwidth": derate_bandwidth, "prefill_compute": derate_prefill, "decode_compute": derate_decode}
         derates = replace(default_derates(device), **{k: v for k, v in overrides.items() if v is not None})
         report = advise(spec, device, gpus, load, derates,

@@ -64,6 +64,16 @@ class ModelSpec:
     def moe(self) -> bool:
         return self.experts is not None
 
+    def lora_params(self, rank: int) -> float:
+        """Parameters of one LoRA adapter of `rank` on the linear layers vLLM and SGLang target by
+        default: q, k, v and o, and in dense layers gate, up and down; rank x (in + out) each."""
+        if not rank:
+            return 0.0
+        h, q, kv = self.hidden_size, self.attention_dim, 2 * (self.arch.kv_heads or 0) * (self.arch.head_dim or 0)
+        mlp = 0 if self.experts else self.mlp_width
+        per_layer = (h + q + kv) + (q + h) + ((h + 2 * mlp) + (mlp + h) if mlp else 0)
+        return rank * per_layer * self.arch.layers
+
     def weight_bytes(self, fmt: str, tokens: int | None = None) -> float:
         """Bytes of the weights in format `fmt`: all of them (`tokens` None), or those one forward
         pass of `tokens` tokens reads: the weights every token uses (the active count less its

@@ -56,7 +56,41 @@ class LaunchSpec:
     kv_cache_dtype: str | None = None  # fp8_e4m3, fp8_e5m2 (GPU runtimes); q8_0, q4_0, f16... (llama.cpp)
     max_running_requests: int | None = None
     prefix_caching: bool | None = None  # None: the runtime's default (on for all of these)
+    pipeline_parallel: int = 1
+    data_parallel: int = 1  # engine replicas the runtime itself balances
+    kv_tokens: int | None = None  # llama.cpp: one KV pool of this many tokens shared by the slots
+    lora_modules: dict[str, str] = field(default_factory=dict)  # adapter name -> path or hub id
+    max_loras: int | None = None  # adapters one batch may mix
+    max_lora_rank: int | None = None
     extra_args: list[str] = field(default_factory=list)
+
+
+def lora_modules(pairs: list[str]) -> dict[str, str]:
+    """NAME=PATH pairs as given on a command line, each name once."""
+    modules = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not (sep and name.strip() and path.strip()) or any(c.isspace() or c in ",=" for c in name):
+            raise LaunchError(f"LoRA adapter {pair!r}: NAME=PATH, the name without spaces, commas or '='")
+        if name in modules:
+            raise LaunchError(f"LoRA adapter {name!r} is given twice")
+        modules[name] = path
+    return modules
+
+
+def servegate_line(spec: LaunchSpec) -> str:
+    """`servegate launch` with the flags that build `spec`."""
+    flags = [spec.runtime, "--model", spec.model, "--port", str(spec.port),
+             *_opt("--context-length", spec.context_length),
+             *_opt("--tp", spec.tensor_parallel if spec.tensor_parallel > 1 else None),
+             *_opt("--pp", spec.pipeline_parallel if spec.pipeline_parallel > 1 else None),
+             *_opt("--dp", spec.data_parallel if spec.data_parallel > 1 else None),
+             *(["--expert-parallel"] if spec.expert_parallel else []),
+             *_opt("--kv-cache-dtype", spec.kv_cache_dtype), *_opt("--max-running-requests", spec.max_running_requests),
+             *_opt("--kv-tokens", spec.kv_tokens),
+             *(arg for pair in _pairs(spec.lora_modules) for arg in ("--lora", pair)),
+             *_opt("--max-loras", spec.max_loras), *_opt("--max-lora-rank", spec.max_lora_rank)]
+    return shlex.join(["servegate", "launch", *flags])
 
 
 def command(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
@@ -89,11 +123,33 @@ def _tp(s: LaunchSpec) -> int | None:
 VLLM_CACHED_TOKENS_FLAG = "--enable-prompt-tokens-details"
 
 
+# vLLM's LoRAConfig.max_lora_rank is one of these (vllm/config/lora.py, MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_rank_for_vllm(rank: int) -> int:
+    """The smallest rank vLLM takes that holds adapters of `rank`."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise LaunchError(f"vLLM's largest LoRA rank is {VLLM_LORA_RANKS[-1]}, not {rank}")
+    return fits[0]
+
+
+def _pairs(modules: dict[str, str]) -> list[str]:
+    return [f"{name}={path}" for name, path in modules.items()]
+
+
 def _vllm(s: LaunchSpec):
     argv = ["vllm", "serve", s.model, "--host", s.host, "--port", str(s.port),
             *_opt("--max-model-len", s.context_length), *_opt("--tensor-parallel-size", _tp(s)),
+            *_opt("--pipeline-parallel-size", s.pipeline_parallel if s.pipeline_parallel > 1 else None),
+            *_opt("--data-parallel-size", s.data_parallel if s.data_parallel > 1 else None),
             *_opt("--kv-cache-dtype", s.kv_cache_dtype), *_opt("--max-num-seqs", s.max_running_requests),
             VLLM_CACHED_TOKENS_FLAG]
+    if s.lora_modules:
+        argv += ["--enable-lora", "--max-loras", str(s.max_loras or len(s.lora_modules)),
+                 *_opt("--max-lora-rank", s.max_lora_rank and lora_rank_for_vllm(s.max_lora_rank)),
+                 "--lora-modules", *_pairs(s.lora_modules)]
     if s.expert_parallel:  # its EP size is the TP size (docs/serving/expert_parallel_deployment)
         argv.append("--enable-expert-parallel")
     if s.prefix_caching is not None:
@@ -105,8 +161,13 @@ def _sglang(s: LaunchSpec):
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", s.model, "--host", s.host, "--port",
             str(s.port), *_opt("--context-length", s.context_length),  # never --max-total-tokens: the KV pool
             *_opt("--tp-size", _tp(s)), *_opt("--ep-size", s.tensor_parallel if s.expert_parallel else None),
+            *_opt("--pp-size", s.pipeline_parallel if s.pipeline_parallel > 1 else None),
+            *_opt("--dp-size", s.data_parallel if s.data_parallel > 1 else None),
             *_opt("--kv-cache-dtype", s.kv_cache_dtype), *_opt("--max-running-requests", s.max_running_requests),
             "--enable-cache-report"]  # its usage then counts the prompt tokens its radix cache served
+    if s.lora_modules:
+        argv += ["--enable-lora", *_opt("--max-loras-per-batch", s.max_loras),
+                 *_opt("--max-lora-rank", s.max_lora_rank), "--lora-paths", *_pairs(s.lora_modules)]
     if s.prefix_caching is False:
         argv.append("--disable-radix-cache")
     return argv, {}
@@ -114,6 +175,7 @@ def _sglang(s: LaunchSpec):
 
 def _tgi(s: LaunchSpec):
     _no_expert_parallel(s, "TGI shards experts by tensor parallelism only")
+    _one_engine(s, "TGI")
     if s.kv_cache_dtype is not None and s.kv_cache_dtype not in TGI_KV:
         raise LaunchError(f"TGI's KV cache dtypes are fp8_e4m3 and fp8_e5m2, not {s.kv_cache_dtype!r}")
     argv = ["text-generation-launcher", "--model-id", s.model, "--hostname", s.host, "--port", str(s.port),
@@ -122,6 +184,8 @@ def _tgi(s: LaunchSpec):
             *_opt("--kv-cache-dtype", TGI_KV.get(s.kv_cache_dtype or "")),
             # The running batch; TGI's --max-concurrent-requests is an admission limit (429 beyond it).
             *_opt("--max-batch-size", s.max_running_requests)]
+    if s.lora_modules:  # adapter ids or name=path pairs, loaded at start (launcher --lora-adapters)
+        argv += ["--lora-adapters", ",".join(_pairs(s.lora_modules))]
     # Prefix caching is no TGI flag: the PREFIX_CACHING environment variable (default true).
     return argv, {} if s.prefix_caching is None else {"PREFIX_CACHING": "1" if s.prefix_caching else "0"}
 
@@ -129,6 +193,11 @@ def _tgi(s: LaunchSpec):
 def _no_expert_parallel(s: LaunchSpec, reason: str) -> None:
     if s.expert_parallel:
         raise LaunchError(f"{s.runtime} has no expert parallelism: {reason}")
+
+
+def _one_engine(s: LaunchSpec, name: str) -> None:
+    if s.pipeline_parallel > 1 or s.data_parallel > 1:
+        raise LaunchError(f"{name} has no pipeline or data parallelism: run replicas behind the gateway")
 
 
 def _no_tensor_parallel(s: LaunchSpec, instead: str) -> None:
@@ -139,11 +208,20 @@ def _no_tensor_parallel(s: LaunchSpec, instead: str) -> None:
 
 def _llama_server(s: LaunchSpec):
     _no_tensor_parallel(s, "llama-server splits layers across GPUs with --split-mode/--tensor-split")
-    # `-c` is the total context, split evenly among the `-np` slots (unless --kv-unified): give
-    # every slot the whole per-request context.
-    context = s.context_length * (s.max_running_requests or 1) if s.context_length else None
-    argv = ["llama-server", "-m", s.model, "--host", s.host, "--port", str(s.port), *_opt("-c", context),
-            *_opt("-np", s.max_running_requests)]
+    if s.data_parallel > 1:
+        raise LaunchError("llama-server is one engine: run replicas behind the gateway")
+    argv = ["llama-server", "-m", s.model, "--host", s.host, "--port", str(s.port)]
+    if s.kv_tokens:
+        # One pool shared by the slots (-c is then every slot's limit too), each request capped
+        # at the context asked for.
+        argv += ["-c", str(s.kv_tokens), "--kv-unified", *_opt("--kv-unified-per-slot", s.context_length)]
+    else:
+        # `-c` is the total context, split evenly among the `-np` slots: give every slot the
+        # whole per-request context.
+        argv += _opt("-c", s.context_length * (s.max_running_requests or 1) if s.context_length else None)
+    argv += _opt("-np", s.max_running_requests)
+    for path in s.lora_modules.values():  # applied to every request unless it names others (`lora`)
+        argv += ["--lora", path]
     if s.kv_cache_dtype:
         # A quantized V cache needs flash attention in llama.cpp.
         argv += ["-ctk", s.kv_cache_dtype, "-ctv", s.kv_cache_dtype, "-fa", "on"]
@@ -155,12 +233,16 @@ def _llama_server(s: LaunchSpec):
 
 def _llama_cpp_python(s: LaunchSpec):
     _no_tensor_parallel(s, "use llama-server for several GPUs")
+    if len(s.lora_modules) > 1 or s.data_parallel > 1:
+        raise LaunchError("llama-cpp-python's server loads one model and one LoRA adapter: use llama-server")
     if (s.max_running_requests or 1) > 1:
         raise LaunchError("llama-cpp-python's server serializes requests; for several at once use "
                           "llama-server -np N or servegate's in-process llama.cpp pool (kind: llama-cpp)")
     argv = [sys.executable, "-m", "llama_cpp.server", "--model", s.model, "--host", s.host, "--port", str(s.port),
             *_opt("--n_ctx", s.context_length),
             "--interrupt_requests", "False"]  # its default ends a running stream whenever a new request comes
+    for path in s.lora_modules.values():
+        argv += ["--lora_path", path]
     if s.kv_cache_dtype:
         if s.kv_cache_dtype not in GGML_TYPES:
             raise LaunchError(f"unknown llama.cpp KV type {s.kv_cache_dtype!r}: one of {', '.join(GGML_TYPES)}")

@@ -26,6 +26,9 @@ PROFILES = {
                         "200; Prometheus /metrics only with --enable-metrics (docs: production metrics)"),
     "ollama": Profile("/api/version", "/api/version",
                       "ollama docs/api.md: GET /api/version -> {\"version\"}; OpenAI routes under /v1"),
+    "mlx": Profile("/health", None,
+                   "ml-explore/mlx-lm mlx_lm/server.py (release 0.32.2): GET /health answers 200, GET /v1/models; "
+                   "OpenAI routes /v1/completions and /v1/chat/completions; no version route"),
     "xinference": Profile("/status", "/v1/cluster/version",
                           "xorbitsai/inference xinference/api/restful_api.py: GET /status (internal, no auth), "
                           "GET /v1/cluster/version (admin scope when auth is on), OpenAI routes under /v1"),

@@ -33,6 +33,7 @@ RUNTIMES: dict[str, Runtime] = {r.id: r for r in (
     Runtime("trtllm", "TensorRT-LLM (trtllm-serve)", matrix="tensorrt-llm"),
     Runtime("lmdeploy", "LMDeploy", matrix="lmdeploy"),
     Runtime("ollama", "Ollama", matrix="ollama"),
+    Runtime("mlx", "MLX (mlx-lm server)", matrix="mlx"),
     Runtime("xinference", "Xinference"),
     Runtime("litellm", "a cloud provider through litellm"),
 )}

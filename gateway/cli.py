@@ -338,19 +338,28 @@ def launch(
     kv_cache_dtype: Annotated[str | None, typer.Option(help="fp8_e4m3 | fp8_e5m2 | q8_0 | q4_0 | ...")] = None,
     max_running_requests: Annotated[int | None, typer.Option(help="Requests in the running batch.")] = None,
     prefix_caching: Annotated[bool | None, typer.Option("--prefix-caching/--no-prefix-caching")] = None,
+    pipeline_parallel: Annotated[int, typer.Option("--pp", help="Pipeline-parallel stages.", min=1)] = 1,
+    data_parallel: Annotated[int, typer.Option("--dp", help="Engine replicas the runtime balances.", min=1)] = 1,
+    kv_tokens: Annotated[int | None, typer.Option(help="llama-server: one KV pool of this many tokens for all "
+                                                       "slots.", min=1)] = None,
+    lora: Annotated[list[str] | None, typer.Option(help="NAME=PATH of a LoRA adapter to serve; repeatable.")] = None,
+    max_loras: Annotated[int | None, typer.Option(help="Adapters one batch may mix.", min=1)] = None,
+    max_lora_rank: Annotated[int | None, typer.Option(help="The largest adapter rank.", min=1)] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command and exit.")] = False,
 ) -> None:
     """Start a runtime as a supervised subprocess from one normalized spec, wait until it is
     ready, and stop it cleanly on Ctrl-C. Arguments after `--` go to the runtime untouched."""
-    from backends.launch import RUNTIMES, LaunchError, LaunchSpec, ServerNotReady, launched, shell_line
+    from backends.launch import RUNTIMES, LaunchError, LaunchSpec, ServerNotReady, launched, lora_modules, shell_line
 
     if runtime not in RUNTIMES:
         _fail(f"unknown runtime {runtime!r}: one of {', '.join(RUNTIMES)}")
-    spec = LaunchSpec(runtime=runtime, model=model, port=port, host=host, context_length=context_length,
-                      tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, kv_cache_dtype=kv_cache_dtype,
-                      max_running_requests=max_running_requests, prefix_caching=prefix_caching,
-                      extra_args=list(ctx.args))
     try:
+        spec = LaunchSpec(runtime=runtime, model=model, port=port, host=host, context_length=context_length,
+                          tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
+                          kv_cache_dtype=kv_cache_dtype, max_running_requests=max_running_requests,
+                          prefix_caching=prefix_caching, pipeline_parallel=pipeline_parallel,
+                          data_parallel=data_parallel, kv_tokens=kv_tokens, lora_modules=lora_modules(lora or []),
+                          max_loras=max_loras, max_lora_rank=max_lora_rank, extra_args=list(ctx.args))
         typer.echo(shell_line(spec))
     except LaunchError as exc:
         _fail(str(exc))

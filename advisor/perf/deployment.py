@@ -30,6 +30,8 @@ class Deployment:
     # Disaggregated prefill/decode: `prefill_workers` engines of this shape only prefill and hand
     # their KV over the network to `dp` decode engines. 0: aggregated.
     prefill_workers: int = 0
+    lora_slots: int = 0  # LoRA adapters one batch may mix, each held on every GPU (bf16, sharded like the weights)
+    lora_rank: int = 0
 
     @property
     def engine_gpus(self) -> int:

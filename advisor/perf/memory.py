@@ -25,7 +25,8 @@ def weight_bytes_per_gpu(model: ModelSpec, d: Deployment) -> float:
                                   - model.experts.routed_params})
         experts = total - dense_only.weight_bytes(d.weights)
         total -= experts
-    return total / (d.tp * d.pp) + experts / (d.tp * (d.dp if d.attention_dp else 1) * d.pp)
+    adapters = d.lora_slots * model.lora_params(d.lora_rank) * 2
+    return (total + adapters) / (d.tp * d.pp) + experts / (d.tp * (d.dp if d.attention_dp else 1) * d.pp)
 
 
 def activation_bytes(model: ModelSpec, d: Deployment, sched: Scheduler) -> float:
@@ -44,8 +45,9 @@ def kv_tokens(model: ModelSpec, d: Deployment, cost: StepCost, context: int) -> 
     hw = d.hardware
     m = matrices().get(d.runtime) or matrices()["vllm"]
     weights = weight_bytes_per_gpu(model, d)
-    reserved = reserved_bytes(hw.gpu, d.tp * d.pp, weights)
-    if hw.gpu:
+    own = m.memory.reserve_gib if hw.gpu else None  # counts the runtime's activations already
+    reserved = reserved_bytes(hw.gpu, d.tp * d.pp, weights, own)
+    if hw.gpu and own is None:
         reserved += activation_bytes(model, d, scheduler(d.runtime, hw))
     if m.memory.fraction_covers == "weights_and_kv":
         reserved = 0.0

@@ -80,6 +80,9 @@ class StepCost:
         self.per_sequence = runtime["per_sequence_us"] / 1e6  # scheduling, sampling
         self.hidden = model.hidden_size
         self.speculative = speculative  # tokens verified per decode step (1 without speculation)
+        # A LoRA adapter's A and B matrices beside every targeted layer: each adapter a batch
+        # mixes is read once a step, and every token pays its 2 x rank x (in + out) FLOPs.
+        self.lora_params = model.lora_params(d.lora_rank) / (d.tp * d.pp) if d.lora_slots else 0.0
 
     def seconds(self, s: Step) -> float:
         """One step for every rank of the engine (ranks run in lockstep, each on its own batch)."""
@@ -101,6 +104,9 @@ class StepCost:
             experts_memory = self.moe_layers * touched * self.expert_bytes
             experts_flops = self.expert_flops * routed_tokens
         kernel = self._roofline(self.dense_bytes, self.dense_flops * tokens)
+        if self.lora_params:
+            adapters = min(d.lora_slots, max(1, s.decodes))
+            kernel += self._roofline(adapters * self.lora_params * 2, 2 * self.lora_params * tokens)
         kernel += self._roofline(kv, attention) / self.attention  # attention kernels reach less of the peaks
         if self.moe_layers:
             kernel += self._roofline(experts_memory, experts_flops / self.moe_tiles) / self.moe
