@@ -353,6 +353,7 @@ def _candidate(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
             "id": m.runtime, "name": m.name, "maintained": m.maintained.status == "yes",
             "nvidia_only": all(c.status == "no" for f, c in m.hardware.items() if not f.startswith("nvidia")),
             "hardware": m.hardware[hw.family].status, "hardware_note": m.hardware[hw.family].note,
+            "runs_on_cpu": m.hardware[hw.family].runs_on == "cpu" and not hw.family.startswith("cpu"),
             "architecture": m.architectures[model.architecture].status if model.architecture in m.architectures
             else "unverified",
             "kv_cache": kv_cell.status if kv_cell else "-", "kv_cache_note": kv_cell.note if kv_cell else "",
@@ -616,7 +617,8 @@ def _launch(m: Matrix, model: ModelSpec, gpus: int, workload: Workload, kv_cell:
         if adapters and not lora.flag:
             out["note"] = f"{m.name} takes LoRA adapters otherwise than by a launch flag: {lora.note}"
     if m.runtime in ("llama-cpp", "ollama") and not model.id.endswith(".gguf"):
-        out["note"] = "llama.cpp serves GGUF files: convert the checkpoint (convert_hf_to_gguf.py) or pass a .gguf"
+        out["note"] = ("llama.cpp serves GGUF files: convert the checkpoint (convert_hf_to_gguf.py) or pass a .gguf"
+                       + (", and the adapters (convert_lora_to_gguf.py)" if adapters else ""))
     if adapters and not workload.lora_paths:
         out["lora_note"] = (f"the adapter paths are placeholders for the {workload.lora_adapters} adapters asked for: "
                             "give them with --lora NAME=PATH")

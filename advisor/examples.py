@@ -13,6 +13,7 @@ from .hardware import resolve as hardware
 from .models import resolve as model
 from .report import to_markdown
 
+ADAPTERS = ["support=./adapters/support", "sales=./adapters/sales", "legal=./adapters/legal", "code=./adapters/code"]
 # (title, command-line flags, model, hardware, gpus, workload); each section's "why" lives in
 # WHY, keyed by title, so a reader can check the answer by hand.
 SCENARIOS = [
@@ -41,6 +42,23 @@ SCENARIOS = [
     ("A request no runtime can meet: Llama 3.1 70B at 20 ms a token on 8 x L4",
      "--model meta-llama/Llama-3.1-70B-Instruct --hardware l4 --gpus 8 --slo-tpot-ms 20",
      "meta-llama/Llama-3.1-70B-Instruct", "l4", 8, Workload(slo_tpot_ms=20)),
+    ("Llama 3.1 8B with four LoRA adapters on 1 x L40S",
+     "--model meta-llama/Llama-3.1-8B-Instruct --hardware l40s --concurrency 16 --lora-rank 16 "
+     + " ".join(f"--lora {a}" for a in ADAPTERS),
+     "meta-llama/Llama-3.1-8B-Instruct", "l40s", 1, Workload(concurrency=16, lora_rank=16, lora_paths=ADAPTERS)),
+    ("gpt-oss-20b on a 16 GB RTX 5080", "--model openai/gpt-oss-20b --hardware rtx-5080 --concurrency 4",
+     "openai/gpt-oss-20b", "rtx-5080", 1, Workload(concurrency=4)),
+    ("Qwen3-30B-A3B on a CPU server",
+     "--model Qwen/Qwen3-30B-A3B --hardware cpu-x86 --weight-quant Q4_K_M --prompt-tokens 256 --output-tokens 128 "
+     "--concurrency 2 --slo-ttft-ms 10000 --slo-tpot-ms 200",
+     "Qwen/Qwen3-30B-A3B", "cpu-x86", 1,
+     Workload(weight_quant="Q4_K_M", prompt_tokens=256, output_tokens=128, concurrency=2, slo_ttft_ms=10000,
+              slo_tpot_ms=200)),
+    ("Qwen3-8B on an M4 Max", "--model Qwen/Qwen3-8B --hardware m4-max --concurrency 4 --offline",
+     "Qwen/Qwen3-8B", "m4-max", 1, Workload(concurrency=4, offline=True)),
+    ("A rate one device does not serve: Llama 3.1 8B at 500 req/s on 1 x H100",
+     "--model meta-llama/Llama-3.1-8B-Instruct --hardware h100-sxm --request-rate 500",
+     "meta-llama/Llama-3.1-8B-Instruct", "h100-sxm", 1, Workload(request_rate=500)),
 ]
 
 WHY = {
@@ -108,6 +126,40 @@ WHY = {
         "estimated by the same model: 8-bit or 4-bit weights halve or quarter the bytes but still miss 20 ms; "
         "16 or 32 cards split them further, but over PCIe 4.0 (32 GB/s a direction) 80 layers x 2 all-reduces "
         "grow with every card; the SLO the fastest runtime reaches here is printed with its goodput."),
+    "Llama 3.1 8B with four LoRA adapters on 1 x L40S": (
+        "Four rank-16 adapters on every attention and MLP projection are 4 x 16 x 32 layers x (4,096 + 6,144 + "
+        "4,096 + 4,096 + 4,096 + 28,672 + 14,336 + 4,096) = 0.14e9 parameters, 0.29 GB in bf16, held beside the "
+        "weights (vLLM's --max-loras slots, SGLang's --max-loras-per-batch) and read once a step for each adapter "
+        "the batch mixes. The launch lines load them at start: vLLM with --enable-lora --max-loras 4 "
+        "--max-lora-rank 16 --lora-modules (vllm/config/lora.py takes ranks 1, 8, 16, 32, ... 512), SGLang with "
+        "--enable-lora --max-loras-per-batch --lora-paths, llama-server with one --lora per adapter loaded unapplied "
+        "(--lora-init-without-apply: each request names its own with `lora`), LMDeploy through its PyTorch "
+        "engine (--backend pytorch --adapters). Ollama takes one "
+        "ADAPTER per Modelfile and MLX one adapter at a time: both are excluded. Each request may run to the "
+        "model's 131,072 tokens (--max-model-len), not the mean prompt."),
+    "gpt-oss-20b on a 16 GB RTX 5080": (
+        "gpt-oss-20b's checkpoint is 12.8 GiB (MXFP4 experts, bf16 attention), and OpenAI says it runs within 16 GB. "
+        "It does in llama.cpp and Ollama, which keep their own reserve (llama.cpp's compute buffer and the device "
+        "context, about 1 GiB; Ollama's 457 MiB per CUDA device plus its graph estimate), not vLLM's 3.5 GB "
+        "activation and CUDA-graph reserve: 15.9 GiB x 0.92 - 12.8 - 1.0 leaves 0.8 GiB, some 33,000 tokens of "
+        "KV cache: 49 KB a token over 24 layers x 8 KV heads x 64 x 2 x bf16, half of it, since every other "
+        "layer keeps only its 128-token sliding window. vLLM, SGLang and TensorRT-LLM keep "
+        "more than the 3 GiB left and are excluded; TGI has no gpt_oss model."),
+    "Qwen3-30B-A3B on a CPU server": (
+        "On a CPU box the weights that run are GGUF's: Q4_K_M puts Qwen3-30B-A3B's 30.5e9 parameters in about 17 "
+        "GiB, and llama.cpp (or Ollama on top of it) loads them. SGLang's CPU backend takes fp8, w8a8_int8, awq, "
+        "gptq and mxfp4 but no GGUF (CPU_QUANTIZATION_METHODS in its quantization/__init__.py), vLLM 0.34.0 has "
+        "no GGUF at all, and LMDeploy, TensorRT-LLM and TGI do not run on a CPU for a new deployment. A decode step "
+        "reads the 3.3e9 active parameters' share of the union of routed experts the batch touches."),
+    "Qwen3-8B on an M4 Max": (
+        "On a Mac, llama.cpp and MLX run on the GPU through Metal. vLLM runs on macOS too, but as its CPU "
+        "platform (vllm/platforms/__init__.py takes darwin as a CPU platform): its estimate, made for the GPU, "
+        "overstates it, and the runs-on-the-cpu-cores rule marks it down. SGLang's MLX backend is partial. "
+        "LMDeploy, TGI and TensorRT-LLM do not run there."),
+    "A rate one device does not serve: Llama 3.1 8B at 500 req/s on 1 x H100": (
+        "No runtime serves 500 requests a second of 1,024 + 256 tokens within 2 s to the first token and 50 ms a "
+        "token on one H100: the best serves what the roofline's capacity says (its goodput column), so the answer is "
+        "not a recommendation but how many devices it needs, the rate divided by that capacity, rounded up."),
 }
 
 
@@ -130,8 +182,9 @@ def render() -> str:
                     decisive[(c.name, r["cell"]["path"])] = r["cell"]
     parts += ["## The cells these answers rest on", "",
               "Every matrix cell that excluded or scored a runtime above, with the date its source was read.", "",
-              "| runtime | cell | status | source | checked |", "|---|---|---|---|---|",
-              *(f"| {name} | `{path}` | {cell['status']} | {cell['source']} | {cell['checked']} |"
+              "| runtime | cell | status | code | source | checked |", "|---|---|---|---|---|---|",
+              *(f"| {name} | `{path}` | {cell['status']} | {cell.get('line') or ''} | {cell['source']} | "
+                f"{cell['checked']} |"
                 for (name, path), cell in sorted(decisive.items())), ""]
     return "\n".join(parts)
 

@@ -220,8 +220,10 @@ def _llama_server(s: LaunchSpec):
         # whole per-request context.
         argv += _opt("-c", s.context_length * (s.max_running_requests or 1) if s.context_length else None)
     argv += _opt("-np", s.max_running_requests)
-    for path in s.lora_modules.values():  # applied to every request unless it names others (`lora`)
+    for path in s.lora_modules.values():
         argv += ["--lora", path]
+    if s.lora_modules:  # loaded at scale 0: each request applies the adapter it names (`lora`: [{id, scale}])
+        argv.append("--lora-init-without-apply")
     if s.kv_cache_dtype:
         # A quantized V cache needs flash attention in llama.cpp.
         argv += ["-ctk", s.kv_cache_dtype, "-ctv", s.kv_cache_dtype, "-fa", "on"]

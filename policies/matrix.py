@@ -82,6 +82,7 @@ class Cell(BaseModel):
     line: str | None = None  # the code that decides it: "path @ release: symbol (line N)"
     code: list[Probe] = []  # checks policies.drift re-runs on the released source
     requires: list[str] = []  # other settings it needs, e.g. flash_attention
+    runs_on: Literal["accelerator", "cpu"] = "accelerator"  # a hardware cell: the cores it computes on there
     value: str | None = None  # e.g. a licence name
     checked: str | None = None  # filled from the source when absent
 
