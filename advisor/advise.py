@@ -81,7 +81,8 @@ class Workload:
     max_context: int | None = None  # the longest request (prompt + output); None: the model's context
 
     def __post_init__(self) -> None:
-        self.lora_adapters = max(self.lora_adapters, len(self.lora_paths))
+        if self.lora_paths:
+            self.lora_adapters = max(self.lora_adapters, len(self.lora_paths))
         self.multi_lora = self.multi_lora or self.lora_adapters > 0
 
     @property
@@ -235,7 +236,13 @@ def advise(model: ModelSpec, hardware: Hardware, gpus: int, workload: Workload, 
     summary = _summary(candidates, workload)
     viable = [c for c in candidates if c.verdict != "excluded"]
     if workload.request_rate and viable and (short := _beyond_capacity(viable, hardware, gpus, workload)):
+        # Every runtime queues without bound at this rate: what each serves within the SLO on
+        # these devices orders them, not the little the overload leaves.
+        candidates.sort(key=lambda c: (VERDICT_ORDER[c.verdict], -_capacity(c)))
         summary, explore = short, False
+        notes = [*notes, "Ranked by the most one deployment serves within the SLO (the peak of its simulated goodput "
+                         "curve): at this rate every runtime queues without bound, and the simulated figures show "
+                         "that overload."]
     if not viable and any(r["rule"] == "does-not-fit" for c in candidates for r in c.reasons):
         summary += " " + _what_would_fit(chosen, model, hardware, gpus, workload)
     alternatives = []
@@ -553,7 +560,7 @@ def _simulated(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
     tags = regimes(workload.prompt_tokens, workload.output_tokens, model.moe, held, hw, gpus)
     low, high = fitted().range_for(tags)
     # Goodput as the offered rate grows to past what the roofline says one deployment serves.
-    top = max(anchor, rate or 0.0, 0.1)
+    top = max(anchor, 0.1)
     curve = []
     for share in CURVE_SHARES:
         offered = replace(traffic, load="rate", rate=top * share, requests=300)
@@ -715,22 +722,27 @@ def _unverified_lead(a: Candidate, b: Candidate, estimated: dict[str, float]) ->
     return amount, cells
 
 
+def _capacity(c: Candidate) -> float:
+    """The most requests/s one deployment serves within the SLO: the peak of its simulated goodput
+    curve, else the roofline's."""
+    curve = (c.estimates.get("simulated") or {}).get("goodput_curve")
+    return max(y for _, y in curve) if curve else c.estimates.get("goodput_requests_per_s") or 0.0
+
+
 def _beyond_capacity(viable: list[Candidate], hw: Hardware, gpus: int, workload: Workload) -> str | None:
     """Where the asked rate is beyond what every viable runtime serves within the SLO on these
     devices: none is recommended, and the answer is how many devices the best one would need."""
-    def capacity(c: Candidate) -> float:
-        return c.estimates.get("goodput_requests_per_s") or 0.0
-
-    best = max(viable, key=capacity)
-    if capacity(best) >= workload.request_rate:
+    best = max(viable, key=_capacity)
+    most = _capacity(best)
+    if most >= workload.request_rate:
         return None
     for c in viable:
         c.verdict = "viable"
-    if not capacity(best):
+    if not most:
         return None  # none meets the SLO at any rate: the summary already says so
-    replicas = math.ceil(workload.request_rate / capacity(best))
+    replicas = math.ceil(workload.request_rate / most)
     return (f"Not servable on {gpus} x {hw.id}: {workload.request_rate:g} req/s is beyond what any runtime serves "
-            f"there within the SLO (best: {best.name} at {capacity(best):.2f} req/s); it needs at least "
+            f"there within the SLO (best: {best.name} at {most:.2f} req/s); it needs at least "
             f"{replicas * gpus:,} x {hw.id} ({replicas:,} replicas of {gpus}).")
 
 
@@ -770,6 +782,8 @@ def _model_facts(model: ModelSpec) -> dict:
 
 
 def _memory_assumptions(hw: Hardware) -> dict:
-    return {"reserved": "3.5 GB other (+0.4 GB NCCL with tensor parallelism) per GPU, after AIConfigurator"
+    own = ", ".join(f"{m.name} {m.memory.reserve_gib:g} GiB" for m in matrices().values() if m.memory.reserve_gib)
+    return {"reserved": f"3.5 GB other (+0.4 GB NCCL with tensor parallelism) per GPU, after AIConfigurator; "
+                        f"runtimes that keep their own: {own}"
                         if hw.gpu else "0.8 GB + 5% of the weights, after tools.metakraftlabs.com",
             "usable_share_without_fraction": hw.usable_share}

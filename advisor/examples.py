@@ -1,6 +1,9 @@
 """Writes docs/advisor-examples.md: the advisor's own reports for a catalogue of scenarios.
 
 Usage: python -m advisor.examples [docs/advisor-examples.md]
+
+Beside it, docs/advisor-report/ gets the HTML report of three of them; their screenshots are
+headless Chromium's (`chromium --headless --screenshot=NAME.png --window-size=1250,3000 NAME.html`).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from pathlib import Path
 from .advise import Workload, advise
 from .hardware import resolve as hardware
 from .models import resolve as model
-from .report import to_markdown
+from .report import to_html, to_markdown
 
 ADAPTERS = ["support=./adapters/support", "sales=./adapters/sales", "legal=./adapters/legal", "code=./adapters/code"]
 # (title, command-line flags, model, hardware, gpus, workload); each section's "why" lives in
@@ -158,8 +161,10 @@ WHY = {
         "LMDeploy, TGI and TensorRT-LLM do not run there."),
     "A rate one device does not serve: Llama 3.1 8B at 500 req/s on 1 x H100": (
         "No runtime serves 500 requests a second of 1,024 + 256 tokens within 2 s to the first token and 50 ms a "
-        "token on one H100: the best serves what the roofline's capacity says (its goodput column), so the answer is "
-        "not a recommendation but how many devices it needs, the rate divided by that capacity, rounded up."),
+        "token on one H100. Each runtime's scheduler is simulated at offered rates up to 1.5 x its roofline "
+        "capacity (the goodput curve of the HTML report); the peak of that curve is the most one deployment serves "
+        "within the SLO, so the answer is not a recommendation but the rate divided by the best peak, rounded up, "
+        "in devices, and the runtimes are ordered by their peaks.")
 }
 
 
@@ -189,10 +194,30 @@ def render() -> str:
     return "\n".join(parts)
 
 
+# The scenarios whose HTML report docs/advisor-report/ keeps, with a screenshot of each.
+PAGES = {"Llama 3.1 8B with four LoRA adapters on 1 x L40S": "lora-l40s",
+         "Llama 3.1 8B on 1 x L4, 32 users": "l4-no-slo",
+         "A rate one device does not serve: Llama 3.1 8B at 500 req/s on 1 x H100": "h100-beyond-capacity"}
+
+
+def pages(folder: Path) -> list[Path]:
+    """The HTML reports of PAGES, written to `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for title, _, model_id, device, gpus, workload in SCENARIOS:
+        if title in PAGES:
+            path = folder / f"{PAGES[title]}.html"
+            path.write_text(to_html(advise(model(model_id), hardware(device), gpus, workload)))
+            written.append(path)
+    return written
+
+
 def main() -> None:
     target = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/advisor-examples.md")
     target.write_text(render())
     print(f"wrote {target}")
+    for page in pages(target.parent / "advisor-report"):
+        print(f"wrote {page}")
 
 
 if __name__ == "__main__":

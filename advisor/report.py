@@ -176,8 +176,7 @@ def _curves(report: Report, viable: list) -> str:
     width, height, left, bottom, top_pad = 760, 320, 60, 40, 30
     rate = report.workload["request_rate"] or 0.0
     x_max = max([rate, *(x for _, points in series for x, _ in points)]) or 1.0
-    y_max = max([*(y for _, points in series for _, y in points), 0.0]) or 1.0
-    scale = max(x_max, y_max)
+    scale = 1.1 * max([*(y for _, points in series for _, y in points), 0.0]) or 1.0
 
     def at(x: float, y: float) -> str:
         return (f"{left + (width - left - 180) * x / x_max:.1f},"
@@ -186,7 +185,7 @@ def _curves(report: Report, viable: list) -> str:
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
            'aria-label="Goodput against the offered rate"><text x="0" y="18" font-size="15" font-weight="bold">'
            'Goodput within the SLO against the offered rate (requests/s, simulated)</text>',
-           f'<polyline points="{at(0, 0)} {at(x_max, min(x_max, scale))}" fill="none" stroke="#8c959f" '
+           f'<polyline points="{at(0, 0)} {at(min(x_max, scale), min(x_max, scale))}" fill="none" stroke="#8c959f" '
            'stroke-dasharray="2,3"><title>every request within the SLO</title></polyline>',
            f'<line x1="{left}" y1="{height - bottom}" x2="{width - 180}" y2="{height - bottom}" stroke="#1f2328"/>',
            f'<line x1="{left}" y1="{top_pad}" x2="{left}" y2="{height - bottom}" stroke="#1f2328"/>',

@@ -683,6 +683,13 @@ LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
     (["--hardware", "h1000"], "unknown hardware 'h1000'"),
     (["--runtimes", "vllm,warp9"], "warp9"),
     (["--gpus", "0"], "--gpus"),
+    (["--lora-rank", "0"], "--lora-rank 0 must lie in [1, 512]"),
+    (["--lora-rank", "1024"], "--lora-rank 1024 must lie in [1, 512]"),
+    (["--lora-adapters", "-1"], "--lora-adapters must be at least 0"),
+    (["--lora", "no-path"], "--lora: LoRA adapter 'no-path': NAME=PATH"),
+    (["--lora", "a=./x", "--lora", "a=./y"], "LoRA adapter 'a' is given twice"),
+    (["--max-context", "100"], "--max-context 100 is below --prompt-tokens + --output-tokens (1280)"),
+    (["--max-context", "1000000"], "--max-context 1000000 exceeds meta-llama/Llama-3.1-8B-Instruct's context"),
 ])
 def test_bad_inputs_exit_2_naming_the_input_never_a_traceback(args, says):
     """Each of these passed silently (NaN SLOs printed back as alternatives, an infinite bandwidth's

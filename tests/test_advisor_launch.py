@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from advisor.advise import Workload, advise
+from advisor.advise import Workload, _capacity, advise
 from advisor.examples import SCENARIOS
 from advisor.hardware import resolve as hardware
 from advisor.models import resolve
@@ -131,3 +131,75 @@ def test_a_lora_scenarios_vllm_line_serves_a_request_through_its_adapter(tmp_pat
         assert done.model == "support" and done.choices[0].text and done.usage.completion_tokens > 0
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="no-such-adapter", prompt="Hello", max_tokens=4)
+
+
+# -- what the lines carry, and what adapters cost (fast) ------------------------------------------
+def _candidates(model_id: str, device: str, gpus: int, workload: Workload) -> dict:
+    return {c.runtime: c for c in advise(resolve(model_id), hardware(device), gpus, workload).candidates}
+
+
+def test_lora_adapters_cost_memory_and_decode_time_and_every_line_loads_them():
+    llama, adapters = "meta-llama/Llama-3.1-8B-Instruct", ["a=./lora/a", "b=./lora/b", "c=./lora/c"]
+    plain = _candidates(llama, "l40s", 1, Workload(concurrency=8))
+    lora = _candidates(llama, "l40s", 1, Workload(concurrency=8, lora_paths=adapters, lora_rank=64))
+    for runtime in ("vllm", "sglang"):
+        # 3 adapters x rank 64 x 32 layers x 69,632 (in + out over q, k, v, o, gate, up, down) x 2 bytes
+        added = lora[runtime].memory["weights_gib"] - plain[runtime].memory["weights_gib"]
+        assert added == pytest.approx(3 * 64 * 32 * 69_632 * 2 / 2**30, rel=0.02)
+        assert lora[runtime].estimates["tpot_ms"] > plain[runtime].estimates["tpot_ms"]
+    assert "--enable-lora --max-loras 3 --max-lora-rank 64 --lora-modules a=./lora/a b=./lora/b c=./lora/c" \
+        in lora["vllm"].launch["runtime_command"]
+    assert "--enable-lora --max-loras-per-batch 3 --max-lora-rank 64 --lora-paths a=./lora/a" \
+        in lora["sglang"].launch["runtime_command"]
+    assert "--lora ./lora/a --lora ./lora/b --lora ./lora/c --lora-init-without-apply" \
+        in lora["llama-cpp"].launch["runtime_command"]
+    assert "--backend pytorch --adapters a=./lora/a" in lora["lmdeploy"].launch["runtime_command"]
+    assert "--lora a=./lora/a" in lora["vllm"].launch["servegate_command"]
+    assert lora["ollama"].verdict == "excluded"  # one ADAPTER per Modelfile
+    rank = _candidates(llama, "l40s", 1, Workload(lora_adapters=2, lora_rank=20))["vllm"]
+    assert "--max-lora-rank 32" in rank.launch["runtime_command"]  # vLLM takes 1, 8, 16, 32, ... 512
+    assert "placeholders" in rank.launch["lora_note"]
+
+
+def test_each_request_may_run_to_the_models_context_as_far_as_the_kv_cache_holds_one():
+    qwen = "Qwen/Qwen2.5-7B-Instruct"  # 32,768 tokens
+    roomy = _candidates(qwen, "h100-sxm", 1, Workload())["vllm"]
+    assert "--max-model-len 32768" in roomy.launch["runtime_command"]  # not the mean prompt + output
+    asked = _candidates(qwen, "h100-sxm", 1, Workload(max_context=8192))["vllm"]
+    assert "--max-model-len 8192" in asked.launch["runtime_command"]
+    tight = _candidates("meta-llama/Llama-3.1-8B-Instruct", "l4", 1, Workload())["vllm"]
+    held = tight.memory["kv_tokens"]
+    assert held < 131_072 and f"--max-model-len {held}" in tight.launch["runtime_command"]
+    assert f"holds {held:,} tokens" in tight.launch["context_note"]
+
+
+def test_parallelism_flags_per_runtime():
+    from backends.launch import LaunchError, LaunchSpec, command
+
+    spec = LaunchSpec(runtime="vllm", model="m", port=1, tensor_parallel=4, pipeline_parallel=2, data_parallel=2)
+    argv = command(spec)[0]
+    assert argv[argv.index("--pipeline-parallel-size") + 1] == "2" and "--data-parallel-size" in argv
+    argv = command(LaunchSpec(runtime="sglang", model="m", port=1, pipeline_parallel=2, data_parallel=4))[0]
+    assert argv[argv.index("--pp-size") + 1] == "2" and argv[argv.index("--dp-size") + 1] == "4"
+    with pytest.raises(LaunchError, match="no pipeline or data parallelism"):
+        command(LaunchSpec(runtime="tgi", model="m", port=1, pipeline_parallel=2))
+    with pytest.raises(LaunchError, match="one model and one LoRA adapter"):
+        command(LaunchSpec(runtime="llama-cpp-python", model="m", port=1, lora_modules={"a": "x", "b": "y"}))
+
+
+def test_a_rate_no_deployment_serves_is_answered_with_the_devices_it_needs():
+    report = advise(resolve("meta-llama/Llama-3.1-8B-Instruct"), hardware("h100-sxm"), 1, Workload(request_rate=1e9))
+    assert report.summary.startswith("Not servable on 1 x h100-sxm: 1e+09 req/s")
+    best = max(_capacity(c) for c in report.candidates if c.estimates)
+    needed = int(report.summary.split("needs at least ")[1].split(" x ")[0].replace(",", ""))
+    assert needed == -(-1e9 // best)
+    assert not any(c.verdict == "recommended" for c in report.candidates)
+    served = advise(resolve("meta-llama/Llama-3.1-8B-Instruct"), hardware("h100-sxm"), 1, Workload(request_rate=2))
+    assert not served.summary.startswith("Not servable")
+
+
+def test_a_gpt_oss_20b_fits_16_gb_in_the_runtimes_that_keep_their_own_small_reserve():
+    found = _candidates("openai/gpt-oss-20b", "rtx-5080", 1, Workload(concurrency=4))
+    assert found["llama-cpp"].verdict != "excluded" and found["ollama"].verdict != "excluded"
+    assert found["vllm"].verdict == "excluded"  # its 3.5 GB activation and graph reserve leaves no KV room
+    assert found["llama-cpp"].memory["reserved_gib"] == pytest.approx(1.0)
