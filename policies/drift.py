@@ -1,15 +1,16 @@
 """Re-derive the support matrices' cells from the runtimes' released source and report drift.
 
-    python -m policies.drift [--source tgi=DIR ...] [--runtime vllm ...]
+    python -m policies.drift [--source tgi=DIR ...] [--tree vllm=DIR ...] [--runtime vllm ...]
 
 For each matrix with a `release`, the source is fetched from the Python package registry (`pip
 download`: a wheel's Python tree, or a folder of an sdist) or read from a checkout given with
-`--source RUNTIME=DIR` (git releases: TGI, TensorRT-LLM, tpu-inference, Ollama are no registry
-packages). Every cell's `code` checks run on it; what they find is written to
-policies/matrices/derived/<runtime>.yaml with the line that decided each, and compared with the
-cell: a family where the code says yes must read yes or partial, one where it says no must read
-no. The tests compare the committed cells with that last output, so a cell edited by hand
-against its code, or a check added without re-running this, fails CI.
+`--source AT=DIR` (git releases: TGI, TensorRT-LLM, tpu-inference and Ollama are no registry
+packages); `--tree RUNTIME=DIR` reads a runtime's source already laid out. Every cell's `code`
+checks run on it; what they find is written to policies/matrices/derived/<runtime>.yaml with the
+line that decided each, and compared with the cell: a family where the code says yes must read
+yes or partial, one where it says no must read no. The tests compare the committed cells with
+that last output, so a cell edited by hand against its code, or a check added without re-running
+this, fails CI.
 """
 
 from __future__ import annotations
@@ -164,7 +165,10 @@ def fetch(release: Release, into: Path, checkouts: dict[str, Path]) -> None:
         (into / release.at).symlink_to(checkout.resolve())
         return
     with tempfile.TemporaryDirectory() as download:
-        wheel = ["--only-binary", ":all:", "--python-version", "3.12", "--platform", "manylinux_2_28_x86_64"]
+        # Any Linux x86-64 wheel of it: the Python tree is the same in each.
+        wheel = ["--only-binary", ":all:", *(arg for tag in ("manylinux_2_34_x86_64", "manylinux_2_28_x86_64",
+                                                           "manylinux2014_x86_64", "any")
+                                             for arg in ("--platform", tag))]
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", download,
                         *([] if release.subdir else wheel), release.pip], check=True)
         (archive,) = Path(download).iterdir()
@@ -197,24 +201,21 @@ def load_derived(runtime: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m policies.drift", description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", action="append", default=[], metavar="NAME=DIR",
-                        help="a checkout for a git release (NAME: its owner/name or `at` folder), or a "
-                             "runtime's whole source as laid out already (NAME: the runtime)")
+                        help="a checkout of a git release (NAME: its owner/name or `at` folder)")
+    parser.add_argument("--tree", action="append", default=[], metavar="RUNTIME=DIR",
+                        help="a runtime's whole source, laid out as its checks read it, instead of fetching it")
     parser.add_argument("--runtime", action="append", help="only these runtimes (default: every matrix with a release)")
     args = parser.parse_args(argv)
-    checkouts = {}
-    for given in args.source:
-        name, _, folder = given.partition("=")
-        if not Path(folder).is_dir():
-            parser.error(f"--source {given}: {folder!r} is not a folder")
-        checkouts[name] = Path(folder)
+    checkouts, trees = (_folders(parser, flag, given) for flag, given in (("--source", args.source),
+                                                                          ("--tree", args.tree)))
     status = 0
     for runtime, matrix in matrices().items():
         if not matrix.release or (args.runtime and runtime not in args.runtime):
             continue
         with tempfile.TemporaryDirectory() as fresh:
-            root = checkouts.get(runtime, Path(fresh))
+            root = trees.get(runtime, Path(fresh))
             try:
-                for release in matrix.release if runtime not in checkouts else ():
+                for release in matrix.release if runtime not in trees else ():
                     fetch(release, root, checkouts)
                 cells = derive(matrix, root)
             except (ProbeError, subprocess.CalledProcessError) as exc:
@@ -230,6 +231,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {problem}")
         status |= bool(problems)
     return status
+
+
+def _folders(parser: argparse.ArgumentParser, flag: str, given: list[str]) -> dict[str, Path]:
+    folders = {}
+    for pair in given:
+        name, _, folder = pair.partition("=")
+        if not Path(folder).is_dir():
+            parser.error(f"{flag} {pair}: {folder!r} is not a folder")
+        folders[name] = Path(folder)
+    return folders
 
 
 if __name__ == "__main__":

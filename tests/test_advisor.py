@@ -702,3 +702,30 @@ def test_bad_inputs_exit_2_naming_the_input_never_a_traceback(args, says):
     output = " ".join(result.output.split())
     assert result.exit_code == 2 and says in output, output
     assert "Traceback" not in output and not isinstance(result.exception, (ValueError, TypeError))
+
+
+def test_every_format_carries_the_same_content():
+    """Ranking with ranges, exclusions with their cited cells and code lines, ties, what would meet
+    the SLO, launch lines and assumptions: in Markdown, in HTML (with the goodput curve) and in JSON."""
+    import html as html_lib
+
+    from advisor.report import RANKING, _assumptions, _details
+
+    tie = advise(resolve("meta-llama/Llama-3.1-8B-Instruct"), hardware("l40s"), 1,
+                 Workload(concurrency=16, lora_paths=["a=./lora/a", "b=./lora/b"]))
+    short = advise(resolve("meta-llama/Llama-3.1-8B-Instruct"), hardware("l4"), 1, Workload(concurrency=32))
+    for report in (tie, short):
+        md, page, data = to_markdown(report), html_lib.unescape(to_html(report)), json.loads(to_json(report))
+        items = [report.summary, *report.notes, *RANKING, *_assumptions(report),
+                 *(a["change"] for a in report.alternatives),
+                 *(line for c in report.candidates for line in _details(report, c))]
+        for item in items:
+            plain = item.replace("`", "").replace("_(", "(").replace(")_", ")")
+            assert item in md, item
+            assert plain in page.replace("<code>", "").replace("</code>", "").replace("<small>", "").replace(
+                "</small>", ""), plain
+        assert data["summary"] == report.summary and data["notes"] == report.notes
+        assert data["alternatives"] == json.loads(json.dumps(report.alternatives, default=str))
+        assert "Goodput within the SLO against the offered rate" in page
+    assert tie.notes and "measure both" in tie.notes[0]
+    assert short.alternatives and any("code:" in line for c in short.candidates for line in _details(short, c))
