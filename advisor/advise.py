@@ -31,6 +31,7 @@ from .capacity import (
 )
 from .hardware import Hardware
 from .models import ModelSpec
+from .perf.deployment import NETWORK_GBS
 
 GIB = 2**30
 # Requested KV dtypes -> the matrices' keys.
@@ -79,6 +80,7 @@ class Workload:
     lora_rank: int = 16  # the largest adapter's rank
     lora_paths: list[str] = field(default_factory=list)  # NAME=PATH of the adapters, for the launch lines
     max_context: int | None = None  # the longest request (prompt + output); None: the model's context
+    gpus_per_node: int = 8  # tensor parallelism past a node runs over the network
 
     def __post_init__(self) -> None:
         if self.lora_paths:
@@ -117,6 +119,7 @@ class Workload:
             (not 0.0 <= self.acceptance < 1.0, f"--acceptance {self.acceptance} must lie in [0, 1)"),
             (self.acceptance > 0 and not self.draft_tokens, "--acceptance needs --draft-tokens"),
             (self.lora_adapters < 0, "--lora-adapters must be at least 0"),
+            (self.gpus_per_node < 1, "--gpus-per-node must be at least 1"),
             (not 1 <= self.lora_rank <= 512, f"--lora-rank {self.lora_rank} must lie in [1, 512]"),
             (self.max_context is not None and self.max_context < self.prompt_tokens + self.output_tokens,
              f"--max-context {self.max_context} is below --prompt-tokens + --output-tokens "
@@ -158,6 +161,11 @@ def _check_fits(model: ModelSpec, gpus: int, workload: Workload, derates: Derate
     if model.max_context and total > model.max_context:
         notes.append(f"{total} tokens exceed {model.id}'s default context of {model.max_context}: it needs "
                      f"{model.scaling_note}. Turn it on only for long-context traffic.")
+    if gpus > workload.gpus_per_node:
+        nodes = -(-gpus // workload.gpus_per_node)
+        notes.append(f"{gpus} devices span {nodes} nodes of {workload.gpus_per_node}: tensor parallelism across them "
+                     f"runs over the network ({NETWORK_GBS:g} GB/s a direction), not the devices' own link; "
+                     f"--gpus-per-node sets the node size")
     if workload.expert_parallel and not model.experts:
         raise ImpossibleRequest(f"--expert-parallel: {model.id} is dense, it has no experts to split")
     if workload.expert_parallel and gpus > 1 and model.experts.routed % gpus:
@@ -476,8 +484,10 @@ def _estimates(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
     caches = m.features["prefix_caching"].on(hw.family) == "yes"
     prompt = max(1, round(workload.prompt_tokens * (1 - workload.prefix_reuse))) if caches else workload.prompt_tokens
 
+    link = hw.link_gbs if parallel <= workload.gpus_per_node else NETWORK_GBS  # a group across nodes
+
     def collectives(tokens: int) -> float:
-        return tensor_parallel_seconds(tokens, model.hidden_size, model.arch.layers, parallel, hw.link_gbs)
+        return tensor_parallel_seconds(tokens, model.hidden_size, model.arch.layers, parallel, link)
 
     ttft = roof.prefill(model.params_active, prompt, model.arch.layers, model.attention_dim,
                         model.weight_bytes(held, tokens=prompt))
@@ -547,7 +557,7 @@ def _simulated(m: Matrix, model: ModelSpec, hw: Hardware, gpus: int, workload: W
     held = m.memory.compute_dtype or fmt
     kv = kv_key if kv_key in KV_DTYPE_BYTES else "bf16"
     d = Deployment(m.runtime, hw, tp=gpus if split else 1, pp=1 if split else gpus, weights=held, kv=kv,
-                   lora_slots=workload.lora_slots, lora_rank=workload.lora_rank)
+                   gpus_per_node=workload.gpus_per_node, lora_slots=workload.lora_slots, lora_rank=workload.lora_rank)
     caches = m.features["prefix_caching"].on(hw.family) == "yes" and bool(m.features["prefix_caching"].default)
     rate = workload.request_rate
     traffic = Traffic(workload.prompt_tokens, workload.output_tokens, load="rate" if rate else "concurrency",

@@ -99,7 +99,9 @@ def advise_command(
                          "report the Pareto frontier, the cheapest within --slo and the fewest GPUs for "
                          "--target-rate.")] = False,
     nodes: Annotated[int, typer.Option(help="With --search: nodes in the pool.", min=1)] = 1,
-    gpus_per_node: Annotated[int, typer.Option(help="With --search: GPUs per node.", min=1)] = 8,
+    gpus_per_node: Annotated[int, typer.Option(help="GPUs per node: with --search, of the pool; otherwise tensor "
+                                                    "parallelism past a node is priced at the network.",
+                                               min=1)] = 8,
     price_per_gpu_hour: Annotated[float | None, typer.Option(help="With --search: $ per GPU-hour.")] = None,
     slo: Annotated[str | None, typer.Option(help="With --search: percentile SLOs, e.g. "
                                                  "'ttft:p90<300ms;tpot:p99<50ms'.")] = None,
@@ -143,7 +145,7 @@ def advise_command(
                         structured_output=structured_output, multi_lora=multi_lora,
                         speculative_decoding=speculative_decoding, draft_tokens=draft_tokens, acceptance=acceptance,
                         lora_adapters=lora_adapters, lora_rank=lora_rank, lora_paths=list(lora or []),
-                        max_context=max_context)
+                        max_context=max_context, gpus_per_node=gpus_per_node)
         overrides = {"bandwidth": derate_bandwidth, "prefill_compute": derate_prefill, "decode_compute": derate_decode}
         derates = replace(default_derates(device), **{k: v for k, v in overrides.items() if v is not None})
         report = advise(spec, device, gpus, load, derates,
