@@ -125,11 +125,23 @@ class Memory(Cell):
     kv_dtype: str = "bf16"  # the KV cache's default element type
     compute_dtype: str | None = None  # weights are held in this type whatever the file's format
     reserve_gib: float | None = None  # what the runtime keeps outside weights and KV, by its own count
+    earlier_fractions: dict[str, float] = {}  # release -> the default fraction of the releases before it
     status: Status = "yes"
 
-    def fraction_for(self, memory_gib: float, tp: int) -> float | None:
-        """The default fraction on a device of `memory_gib` in a `tp`-way group."""
-        return sglang_mem_fraction_static(memory_gib, tp) if self.fraction_by_device else self.default_fraction
+    def fraction_for(self, memory_gib: float, tp: int, version: str | None = None) -> float | None:
+        """The default fraction on a device of `memory_gib` in a `tp`-way group, in the matrix's
+        release or, given an older `version` (a published measurement's), in that one."""
+        if self.fraction_by_device:
+            return sglang_mem_fraction_static(memory_gib, tp)
+        older = [(_release(r), f) for r, f in self.earlier_fractions.items() if _release(version) < _release(r)]
+        return min(older)[1] if older else self.default_fraction
+
+
+def _release(version: str | None) -> tuple[int, ...]:
+    """A version's numbers ('vLLM 0.10.2 (rocm image)' -> (0, 10, 2)); past every release when it
+    has none."""
+    match = re.search(r"(\d+(?:\.\d+)+)", version or "")
+    return tuple(int(n) for n in match[1].split(".")) if match else (10**6,)
 
 
 def sglang_mem_fraction_static(memory_gib: float, tp: int) -> float:

@@ -58,14 +58,27 @@ def _lines(runtime: str) -> list[tuple[str, str]]:
     return found
 
 
+def _search_lines() -> list[tuple[str, str]]:
+    """`--search`'s vLLM lines for splits across nodes, pipelines and disaggregated prefill."""
+    from advisor.perf.deployment import Deployment
+    from advisor.perf.search import Pool, launch_lines
+
+    model, h200 = resolve("deepseek-ai/DeepSeek-V3"), hardware("h200")
+    splits = [Deployment("vllm", h200, tp=8, ep=8, dp=2, weights="fp8", kv="fp8"),
+              Deployment("vllm", h200, tp=4, pp=2, weights="fp8"),
+              Deployment("vllm", h200, tp=8, dp=1, prefill_workers=1, weights="fp8")]
+    return [(d.describe(), line) for d in splits for line in launch_lines(model, d, Pool(h200, nodes=2))]
+
+
 @pytest.mark.slow
 def test_every_vllm_line_of_the_examples_parses_with_vllms_own_parser():
     python = provisioned_or_skip(peers.vllm_python)
-    lines = _lines("vllm")
+    lines = _lines("vllm") + _search_lines()
     assert len(lines) >= 8 and any("--enable-lora" in line for _, line in lines)
+    assert any("--kv-transfer-config" in line for _, line in lines) and any("--headless" in line for _, line in lines)
     argvs = []
     for _, line in lines:
-        argv = shlex.split(line)
+        argv = shlex.split(line, comments=True)
         assert argv[:2] == ["vllm", "serve"], line
         argvs.append(argv[2:])
     argvs.append(["m", "--enable-lora", "--max-lora-rank", "17"])  # the check can fail: 17 is no rank of vLLM's
@@ -76,7 +89,7 @@ def test_every_vllm_line_of_the_examples_parses_with_vllms_own_parser():
     assert "invalid choice: 17" in refused["error"]
     for (title, line), result in zip(lines, parsed, strict=True):
         assert "error" not in result, (title, line, result)
-        assert result["max_model_len"] and str(result["max_model_len"]) in line
+        assert "--max-model-len" not in line or str(result["max_model_len"]) in line
         if "--enable-lora" in line:
             assert result["enable_lora"] and result["lora"] and result["max_lora_rank"] in (8, 16, 32, 64), result
 

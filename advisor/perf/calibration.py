@@ -79,7 +79,7 @@ class Point:
         return Deployment(self.engine, resolve_hardware(self.hardware),
                           tp=p.get("tp") or 1, pp=p.get("pp") or 1,
                           ep=p.get("ep") or 1, dp=p.get("dp") or 1, attention_dp=bool(p.get("attention_dp")),
-                          weights=self.weights, kv=self.kv)
+                          weights=self.weights, kv=self.kv, version=self.extra.get("version"))
 
     def traffic(self) -> Traffic:
         w = self.workload

@@ -32,6 +32,7 @@ class Deployment:
     prefill_workers: int = 0
     lora_slots: int = 0  # LoRA adapters one batch may mix, each held on every GPU (bf16, sharded like the weights)
     lora_rank: int = 0
+    version: str | None = None  # the runtime's release, where its memory defaults differ from the matrix's
 
     @property
     def engine_gpus(self) -> int:

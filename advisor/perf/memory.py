@@ -54,7 +54,7 @@ def kv_tokens(model: ModelSpec, d: Deployment, cost: StepCost, context: int) -> 
     if m.memory.fraction_of == "none":
         capacity, fraction = hw.memory_gib * GIB * hw.usable_share, None
     else:
-        capacity, fraction = hw.memory_gib * GIB, m.memory.fraction_for(hw.memory_gib, d.tp * d.pp)
+        capacity, fraction = hw.memory_gib * GIB, m.memory.fraction_for(hw.memory_gib, d.tp * d.pp, d.version)
     plan = memory_plan(capacity, weights, cost.kv_per_token, context, m.memory.fraction_of, fraction,
                        reserved)
     return plan.kv_tokens
