@@ -214,14 +214,14 @@ def launch_lines(model: ModelSpec, d: Deployment, pool: Pool) -> list[str]:
         line = f"vllm serve {model.id} --tensor-parallel-size {d.tp}"
         line += f" --pipeline-parallel-size {d.pp}" * (d.pp > 1) + f" --data-parallel-size {d.dp}" * (d.dp > 1)
         line += " --enable-expert-parallel" * (d.ep > 1) + quant + kv
+        if d.prefill_workers:  # each engine its own server, however many nodes they fill
+            return [line + " --kv-transfer-config '{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_both\"}'"
+                    + f"  # x{kind}" for kind in (f"{d.prefill_workers} prefill", f"{d.replicas} decode")]
         if nodes > 1:
             per_node = max(1, d.dp // nodes)
             return [line + f" --data-parallel-size-local {per_node} --data-parallel-address NODE0_IP"
                     + (" --headless --data-parallel-start-rank " + str(n * per_node) if n else "")
                     for n in range(nodes)]
-        if d.prefill_workers:
-            return [line + " --kv-transfer-config '{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_both\"}'"
-                    + f"  # x{kind}" for kind in (f"{d.prefill_workers} prefill", f"{d.replicas} decode")]
         return [line]
     if d.runtime == "sglang":
         tp = d.tp * (d.dp if d.attention_dp else 1)
