@@ -24,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .default_model import default_model_path
+
 # Asks Linux for the AMX tile-data permission (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)),
 # then runs one tile instruction of each kind on a 16x64-byte tile; exit 0 only if all of it ran.
 _AMX_PROBE = """
@@ -72,8 +74,6 @@ llm.eval(llm.tokenize(b"The three primary colors are"))
 def llama_amx_probe() -> int:
     """The llama.cpp child's exit status: 0 ran, negative a signal (-11 SIGSEGV, -4 SIGILL), 1 an
     error (llama-cpp-python missing)."""
-    from .builtin.loader import default_model_path
-
     return subprocess.run([sys.executable, "-c", _LLAMA_AMX_PROBE, str(default_model_path())], capture_output=True,
                           timeout=120).returncode
 

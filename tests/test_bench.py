@@ -153,7 +153,7 @@ def test_bench_end_to_end_against_servegate_serve(server, tmp_path):
     # KV accounting, sampled from the server's /metrics during the run.
     assert data["kv_blocks_total"] == backend.engine.kv.num_blocks
     assert 0 < data["kv_live_token_fraction"] <= 1
-    assert data["preemptions"] == 0 and data["mean_queue_delay_ms"] >= 0
+    assert data["preemptions"] == 0 and 0 <= data["mean_queue_delay_ms"] < 1000  # 8 requests, none held long
 
 
 def test_bench_takes_vllm_bench_serves_spellings(server, tmp_path):

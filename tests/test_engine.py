@@ -227,7 +227,7 @@ def test_stats_count_live_tokens_once_per_block(make_engine, tiny_model):
     stats = engine.stats()
     assert stats["running"] == 2 and stats["kv_blocks_used"] == 2
     assert stats["kv_live_token_fraction"] == 20 / 32
-    assert stats["admitted_requests_total"] == 1 and stats["queue_delay_seconds_total"] >= 0
+    assert stats["admitted_requests_total"] == 1 and 0 < stats["queue_delay_seconds_total"] < 5  # waited a step
     while engine.has_work:
         engine.step()
     assert engine.stats()["kv_blocks_used"] == 0

