@@ -252,12 +252,13 @@ async def test_a_burst_arriving_over_a_few_milliseconds_shares_one_first_step(ma
     scheduling cannot decide the test)."""
     import asyncio
 
-    from backends.builtin import engine as engine_module
+    from backends.builtin import core
+    from backends.builtin.front import EngineThread
 
-    monkeypatch.setattr(engine_module, "ARRIVAL_GAP_S", 0.5)
-    monkeypatch.setattr(engine_module, "ARRIVAL_WAIT_S", 2.0)
+    monkeypatch.setattr(core, "ARRIVAL_GAP_S", 0.5)
+    monkeypatch.setattr(core, "ARRIVAL_WAIT_S", 2.0)
     engine = make_engine(tiny_model, dtype="float64")
-    front = engine_module.AsyncLLMEngine(engine)
+    front = EngineThread(engine)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
     async def first_token(request_id: str, delay: float) -> None:
@@ -275,7 +276,7 @@ async def test_a_burst_arriving_over_a_few_milliseconds_shares_one_first_step(ma
 
 async def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(make_engine, tiny_model):
     from backends.base import UpstreamError
-    from backends.builtin.engine import AsyncLLMEngine
+    from backends.builtin.front import EngineThread
 
     engine = make_engine(tiny_model, dtype="float64")
     run = engine.runner.run
@@ -285,7 +286,7 @@ async def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(make_engi
         raise RuntimeError("simulated kernel failure")
 
     engine.runner.run = broken_once
-    front = AsyncLLMEngine(engine)
+    front = EngineThread(engine)
     try:
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         try:

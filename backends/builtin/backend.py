@@ -32,10 +32,10 @@ from ..base import (
 from ..constraints import constraint_of
 from . import logprobs, tools
 from .config import EngineConfig
-from .core import CoreInfo, EngineProcess
-from .engine import AsyncLLMEngine, EngineFront, LLMEngine, check_request
+from .engine import LLMEngine, check_request
+from .front import EngineFront, EngineProcess, EngineThread
 from .loader import default_model_path, load_tokenizer, model_dir, model_name
-from .sequence import SamplingParams
+from .protocol import CoreInfo, SamplingParams
 from .structured import check
 from .tools import ToolCallParser, ToolUse
 
@@ -76,7 +76,7 @@ class BuiltinBackend(Backend):
                 self.info = front.info
             else:
                 self.engine = await asyncio.to_thread(LLMEngine, self.config)
-                front, self.info, self.tokenizer = AsyncLLMEngine(self.engine), CoreInfo.of(self.engine), \
+                front, self.info, self.tokenizer = EngineThread(self.engine), self.engine.core_info(), \
                     self.engine.tokenizer
             self._texts = await asyncio.to_thread(logprobs.TokenTexts, self.tokenizer)
         except BaseException as exc:

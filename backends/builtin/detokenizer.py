@@ -13,12 +13,17 @@ CONTEXT_TOKENS = 5  # prompt tokens decoded along, so the first word keeps its l
 class Detokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
-        self.tokens = list(prompt_ids[-CONTEXT_TOKENS:])
+        self.context = prompt_ids[-CONTEXT_TOKENS:]
+        self.tokens = list(self.context)
         self.prefix_offset, self.read_offset = 0, len(self.tokens)
         self.stop = tuple(s for s in stop if s)
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""  # decoded output so far
         self.sent = 0  # characters of `text` already released
+
+    def fresh(self) -> Detokenizer:
+        """One at the prompt's end, for a sibling choice forked before its first token."""
+        return Detokenizer(self.tokenizer, self.context, self.stop)
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)

@@ -6,7 +6,7 @@ character: its text then shows U+FFFD and `bytes` says what it is)."""
 from __future__ import annotations
 
 from ..tokenization import vocabulary_bytes
-from .sampler import Logprob
+from .protocol import Logprob
 
 
 class TokenTexts:

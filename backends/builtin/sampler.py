@@ -11,21 +11,12 @@ row with a seed, so a seeded request gets the same tokens whatever else shares i
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import torch
 
 from . import structured
+from .protocol import Logprob
 from .sequence import Sequence
-
-
-@dataclass(frozen=True)
-class Logprob:
-    """The chosen token's log-probability and the most likely alternatives, from the model's raw
-    distribution (vLLM's default `raw_logprobs`: before masks, penalties and temperature)."""
-
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int] = frozenset()

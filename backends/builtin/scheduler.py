@@ -14,6 +14,11 @@ waiting for the cold prompts' prefill, which starts one step later.
 When the KV cache runs out, the newest running sequence is preempted: its blocks are freed
 and it goes back to the front of the waiting queue to be recomputed later (its cached full
 blocks usually make that cheap). Nothing it generated is lost: its tokens stay in the sequence.
+
+After the model ran, `update_from_output` applies the step to the sequences, as vLLM v1's
+`Scheduler.update_from_output` and nano-vllm's `Scheduler.postprocess` do: the scheduler is the
+one writer of a sequence's state (computed tokens, the choices an n > 1 request forks into,
+tokens, text, status and finish reason).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 
 from .config import EngineConfig
 from .kv_cache import KVCacheManager
+from .protocol import Logprob, StepOutput
 from .sequence import Sequence, Status
 
 
@@ -36,21 +42,40 @@ class ScheduledBatch:
         return bool(self.seqs)
 
 
+@dataclass
+class ModelOutput:
+    """A step's sampled tokens: one for each sequence whose prompt is now computed, and one for
+    each further choice of an n > 1 request, forked from that prompt to draw its first token from
+    the same logits (`forks`: parent -> its new choices, which the scheduler takes in)."""
+
+    seqs: list[Sequence]
+    tokens: list[int]
+    logprobs: list[Logprob | None]
+    forks: dict[Sequence, list[Sequence]]
+
+
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, eos_token_ids: frozenset[int],
+                 max_model_len: int) -> None:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.long_prefill_tokens = config.long_prefill_tokens
         self.kv = kv
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.requests: dict[str, int] = {}  # request id -> its choices still generating
         self.arrived: list[Sequence] = []  # since the last step, in arrival order
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.computed_prompt_tokens = 0  # prefill tokens actually run through the model
         self.num_preemptions = 0
         self.recomputed_tokens = 0
         self.queue_delay_sum = 0.0  # seconds from arrival to first admission, summed
         self.num_admitted = 0
 
     def add(self, seq: Sequence) -> None:
+        """Queue a new request's sequence (its id unique among `requests`)."""
+        self.requests[seq.request_id] = seq.params.n
         self.arrived.append(seq)
 
     @property
@@ -120,27 +145,56 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def fork(self, parent: Sequence, n: int) -> list[Sequence]:
-        """Split `parent` (just prefilled) into `n` choices sharing its blocks."""
-        children = [parent.fork(i) for i in range(1, n)]
-        at = self.running.index(parent) + 1
-        for child in children:
-            self.kv.share(parent, child)
-        self.running[at:at] = children
-        return children
+    # -- applying a step's output -------------------------------------------------------
+    def update_from_output(self, batch: ScheduledBatch, output: ModelOutput) -> list[StepOutput]:
+        """The step's tokens computed and sampled: computed counts advance, new choices join their
+        parent, each sampled token is appended, and its sequence finished where it stops."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.computed_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_computed_tokens += n
+        for parent, choices in output.forks.items():
+            self._take_in(parent, choices)
+        return [self._append(seq, token, logprob)
+                for seq, token, logprob in zip(output.seqs, output.tokens, output.logprobs)]
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        if seq.is_finished:
-            return
+    def _take_in(self, parent: Sequence, choices: list[Sequence]) -> None:
+        """Choices forked from `parent` (just prefilled) run next to it, on its blocks."""
+        for choice in choices:
+            choice.num_computed_tokens = parent.num_computed_tokens
+            self.kv.share(parent, choice)
+        at = self.running.index(parent) + 1
+        self.running[at:at] = choices
+
+    def _append(self, seq: Sequence, token: int, logprob: Logprob | None) -> StepOutput:
+        seq.token_ids.append(token)
+        params = seq.params
+        reason = None
+        grammar_done = seq.matcher is not None and seq.matcher.accept(token)  # every token advances it
+        if grammar_done or (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            reason = "stop"
+        elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            reason = "length"
+        text, stopped = seq.detokenizer.add(token, final=reason is not None)
+        if stopped:
+            reason = "stop"
+        if reason:
+            self._finish(seq, reason)
+        return StepOutput(seq.request_id, seq.index, text, (token,), reason, seq.num_cached_tokens,
+                          (logprob,) if logprob else ())
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = Status.FINISHED, reason
         self.kv.free(seq)
         for queue in (self.running, self.waiting, self.arrived):
             if seq in queue:
                 queue.remove(seq)
                 break
+        self.requests[seq.request_id] -= 1
+        if not self.requests[seq.request_id]:
+            del self.requests[seq.request_id]
 
-    def abort(self, request_id: str) -> list[Sequence]:
-        seqs = [s for s in (*self.running, *self.waiting, *self.arrived) if s.request_id == request_id]
-        for seq in seqs:
-            self.finish(seq, "abort")
-        return seqs
+    def abort(self, request_id: str) -> None:
+        for seq in [s for s in (*self.running, *self.waiting, *self.arrived) if s.request_id == request_id]:
+            self._finish(seq, "abort")
+        self.requests.pop(request_id, None)  # its choices not forked yet finish with it

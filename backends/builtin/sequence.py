@@ -1,4 +1,5 @@
-"""Request state inside the engine: token ids, progress, block table and sampling."""
+"""A sequence's state inside the engine: token ids, progress, block table, random stream, grammar
+and text. After a step only the scheduler writes it (`Scheduler.update_from_output`)."""
 
 from __future__ import annotations
 
@@ -9,36 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..constraints import Constraint
+from .detokenizer import Detokenizer
+from .protocol import SamplingParams
 from .structured import Matcher
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0  # below 1e-5 means greedy, as in vLLM
-    top_p: float = 1.0
-    top_k: int = 0  # 0 means no cut
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    n: int = 1
-    min_p: float = 0.0
-    min_tokens: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
-    grammar: Constraint | None = None  # structured output
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < 1e-5
-
-    @property
-    def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 class Status(enum.Enum):
@@ -68,6 +42,7 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None  # a seeded request's own random stream
     matcher: Matcher | None = None  # where a grammar constrains the output
+    detokenizer: Detokenizer | None = None  # the output's text, made by the engine with the request's stop strings
     seq_id: int = field(default_factory=lambda: next(_ids))
     num_preemptions: int = 0
     arrival: float = field(default_factory=time.monotonic)
@@ -96,10 +71,12 @@ class Sequence:
         return self.status is Status.FINISHED
 
     def fork(self, index: int) -> Sequence:
-        """A sibling sharing everything computed so far; the caller shares the blocks."""
+        """A sibling choice before its first token, sharing everything computed so far; the
+        scheduler gives it the blocks (and the step's computed tokens) when it takes it in."""
         return Sequence(
             list(self.token_ids), self.params, self.request_id, index, self.num_prompt_tokens,
             self.num_computed_tokens, self.num_cached_tokens, status=self.status,
             block_hashes=list(self.block_hashes), num_registered_blocks=self.num_registered_blocks,
-            matcher=self.matcher.fresh() if self.matcher else None, cache_salt=self.cache_salt,
+            matcher=self.matcher.fresh() if self.matcher else None,
+            detokenizer=self.detokenizer.fresh() if self.detokenizer else None, cache_salt=self.cache_salt,
         )
