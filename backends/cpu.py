@@ -1,19 +1,17 @@
-"""What this CPU can really run, for native kernels that trust its feature flags.
+"""What this CPU can really run, for native code that trusts its feature flags.
 
-A CPU may report AMX (`amx_tile` in /proc/cpuinfo) under a hypervisor that does not grant the
-tile state: there llama.cpp compiled for the CPU (`-march=native`) puts weights in its AMX buffer
-type and its first `tilezero` dies with "Illegal instruction" (SIGILL). Where the tile state is
-granted, llama.cpp's AMX path may still die: on an Intel Xeon under KVM whose tile instructions
-all run, llama.cpp as vendored by llama-cpp-python 0.3.36 dies with SIGSEGV on `ldtilecfg` in
-`ggml_backend_amx_mul_mat` (a tile configuration the CPU refuses), llama-server and the Python
-binding alike. So the flag is trusted by neither kernel without a child process that runs it:
-for PyTorch's bf16 GEMMs (oneDNN), a child that asks for the tile-data permission and runs
-`ldtilecfg` / `tilezero` / `tilerelease`; for llama.cpp, a child that loads the default model
-with the AMX buffer type and evaluates a prompt. Where llama.cpp's child dies, llama.cpp is told
-to skip its extra (repacking) buffer types, of which AMX is one.
+A CPU may report AMX (`amx_tile` in /proc/cpuinfo) that a program cannot use: a hypervisor may
+not grant the tile state, and llama.cpp's AMX path may fail even where the tile instructions run.
+Trusting the flag there kills the process on its first tile instruction (SIGILL or SIGSEGV), so
+each consumer has the flag confirmed by a child process first: PyTorch's bf16 GEMMs (oneDNN) by
+a child that asks for the tile-data permission and runs the tile instructions (`bf16_native`),
+llama.cpp by a child that loads the default model with its AMX buffer type and evaluates a
+prompt (`llama_cpp_amx_fails`). Where llama.cpp's child dies, llama.cpp skips its extra
+(repacking) buffer types, AMX among them (`llama_cpp_safe`; `for_this_cpu` for a server's command
+line).
 
 `python -m backends.cpu MODULE ARGS...` runs a module (llama-cpp-python's server) under the
-same guard; `for_this_cpu` rewrites a server's command line accordingly.
+same guard.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ class LayerKV:
     def gathered(self, i: int, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Keys (i=0) or values (1) of each table's blocks: [b, max_blocks * block_size, kv_heads, head_dim]."""
         batch = block_tables.shape[0]
-        flat = block_tables.flatten()  # index_select: 3x faster than advanced indexing on the first dim here
+        flat = block_tables.flatten()  # index_select: faster than advanced indexing on the first dim
         data = self.data[i].index_select(0, flat).view(batch, -1, *self.data.shape[3:])
         if self.scales is None:
             return data

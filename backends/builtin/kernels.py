@@ -4,7 +4,7 @@ the paged KV cache, of decode tokens (`csrc/paged_attention.cpp`) and of prompt 
 (`csrc/layer_ops.cpp`: residual add + RMSNorm, rotary embedding, SiLU-and-multiply), and bf16
 Linear layers for CPUs with AVX512-BF16 but no AMX (`csrc/bf16_linear.cpp`).
 
-The build (about 80 s on 2 cores, once per machine: torch caches it under
+The build (a minute or more, once per machine: torch caches it under
 ~/.cache/torch_extensions, under a name that carries the CPU's feature flags, since it is built
 for `-march=native`) needs a C++ compiler; its progress is logged every 10 s. Where it fails,
 `available()` says no, the reason is logged, and the engine keeps to the pure-PyTorch path.
@@ -93,11 +93,11 @@ def paged_attention(q: torch.Tensor, kv, block_tables: torch.Tensor, positions: 
 
 def chunk_kernel_serves(dtype: torch.dtype) -> bool:
     """Whether prompt chunks of this cache dtype go to the chunk kernel rather than to SDPA over
-    their gathered context. The kernel is built where AVX-512 is (on AVX2 SDPA's GEMMs are 1.5-2x
-    faster than a portable form of it). bf16 chunks on a CPU with working AMX take its AMX tiles
+    their gathered context. The kernel is built where AVX-512 is (on AVX2 SDPA's GEMMs are faster
+    than a portable form of it). bf16 chunks on a CPU with working AMX take its AMX tiles
     (`chunk_amx`) where they are built, else SDPA, whose GEMMs run on AMX tiles too, faster there
-    than the kernel's VDPBF16PS pairs (which serve bf16 wherever AVX512-BF16 runs without AMX:
-    2.2-2.5x the float32 FMAs on AMD EPYC Zen 4)."""
+    than the kernel's VDPBF16PS pairs (which serve bf16 wherever AVX512-BF16 runs without AMX,
+    faster than the float32 FMAs)."""
     module = load()
     if module is None or not module.chunk_attention_native():
         return False

@@ -20,7 +20,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def quantized(model: torch.nn.Module, weight_quant: str, device: torch.device) -> torch.nn.Module:
     """int8: every Linear becomes a dynamically quantized one (int8 weights with a scale per output
-    row, activations quantized per batch; fbgemm GEMMs, about 2.5x faster than fp32 at decode batch sizes here)."""
+    row, activations quantized per batch; fbgemm GEMMs, faster than fp32 at decode batch sizes)."""
     if weight_quant == "none":
         return model
     if device.type != "cpu":
@@ -33,9 +33,8 @@ def quantized(model: torch.nn.Module, weight_quant: str, device: torch.device) -
 
 class PackedLinear(torch.nn.Module):
     """A Linear whose weight oneDNN reorders once into its own blocked layout, as vLLM's CPU build
-    prepacks its weights: at the few rows of a decode step, bf16 GEMMs read it 1.5-3x faster than
-    a row-major weight, and float32 ones 2.4-5.7x faster than PyTorch's MKL path on AMD EPYC
-    (the LM head at 16 rows: 23 -> 4 ms)."""
+    prepacks its weights: at the few rows of a decode step, bf16 GEMMs read it faster than a
+    row-major weight, and float32 ones run faster than on PyTorch's MKL path."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
@@ -48,8 +47,8 @@ class PackedLinear(torch.nn.Module):
 
 class PairedLinear(torch.nn.Module):
     """A bf16 Linear on the native GEMM (`csrc/bf16_linear.cpp`), its weight laid out once in
-    pairs of input features for VDPBF16PS: on AVX512-BF16 without AMX, 1.1-1.8x faster than
-    oneDNN's at decode's 1 to 64 rows (AMD EPYC Zen 4), 2-7% slower at a prompt's hundreds."""
+    pairs of input features for VDPBF16PS: on AVX512-BF16 without AMX, faster than oneDNN's at
+    decode's few rows, a little slower at a prompt's hundreds."""
 
     def __init__(self, linear: torch.nn.Linear, ops) -> None:
         super().__init__()

@@ -1,8 +1,8 @@
 """Structured outputs: a request's `Constraint` (JSON schema, any JSON object, regex, a choice of
 strings, or a Lark / GBNF grammar) turned into per-token masks by llguidance, the library behind
 vLLM's `guidance` backend and llama.cpp's `%llguidance` grammars (3 MB and no dependencies,
-where xgrammar pulls in a 1 GB Triton). Each constrained sequence has its own matcher (made in
-about 0.3 ms; the grammar text is cached per constraint, the lexer is built lazily as tokens
+where xgrammar pulls in a 1 GB Triton). Each constrained sequence has its own matcher (cheap
+to make: the grammar text is cached per constraint, the lexer is built lazily as tokens
 arrive); one step fills every constrained row's bitmask in one parallel call and applies them
 all with one tensor operation, so constrained and free requests share a batch.
 
