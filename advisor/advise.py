@@ -30,7 +30,7 @@ from .capacity import (
     tensor_parallel_seconds,
 )
 from .hardware import Hardware
-from .models import ModelSpec
+from .model_facts import ModelSpec
 from .perf.deployment import NETWORK_GBS
 
 GIB = 2**30

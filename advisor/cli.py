@@ -18,8 +18,8 @@ from .advise import ImpossibleRequest, Report, Workload, advise, calibrated, def
 from .capacity import Derates, MissingArchitectureField
 from .hardware import UnknownHardware, catalogue
 from .hardware import resolve as resolve_hardware
-from .models import UnknownModel
-from .models import resolve as resolve_model
+from .model_facts import UnknownModel
+from .model_facts import resolve as resolve_model
 from .report import to_html, to_json, to_markdown
 
 console = Console(stderr=True)
@@ -219,10 +219,10 @@ KNOWN_RUNTIMES = ("vllm", "sglang", "tensorrt-llm", "lmdeploy", "llama-cpp", "tg
 def _calibration(refit: bool, output_format: str, output: Path | None) -> None:
     from .perf.calibration import calibrate, intervals, points, to_page
     from .perf.efficiency import FIT, fitted
-    from .perf.fit import fit
+    from .perf.fit import fit, left_out
 
     eff = fit(points(), fitted(), rounds=4) if refit else fitted()
-    report = calibrate(eff)
+    report = calibrate(eff, left_out(points(), eff))
     if refit:
         import yaml
 
@@ -293,7 +293,7 @@ def _measure(report: Report, entry: str, load: Workload, num_prompts: int) -> di
     import asyncio
     import math
 
-    from .bench.cli import build_dataset, load_tokenizer, make_target, run_once
+    from .measure.cli import build_dataset, load_tokenizer, make_target, run_once
 
     runtime, _, url = entry.partition("=")
     url, _, served = url.partition("@")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .advise import Workload, advise
 from .hardware import resolve as hardware
-from .models import resolve as model
+from .model_facts import resolve as model
 from .report import to_html, to_markdown
 
 ADAPTERS = ["support=./adapters/support", "sales=./adapters/sales", "legal=./adapters/legal", "code=./adapters/code"]

@@ -65,7 +65,14 @@ class Usage:
 # The largest token count any runtime here takes (int32): larger ones, from a client or an upstream,
 # are refused or ignored before they reach quotas (Redis' Lua numbers), the ledger or a runtime.
 MAX_TOKENS = 2**31 - 1
+MAX_TOKEN_ID = 2**31 - 1  # likewise the largest token id (int32)
 NANO_USD_PER_USD = 10**9
+
+
+def completion_limit(max_tokens: int | None, context: int, prompt_tokens: int) -> int:
+    """The most tokens a completion may take: `max_tokens` where the request sets it, else what the
+    context leaves after the prompt (at least one)."""
+    return max_tokens if max_tokens is not None else max(context - prompt_tokens, 1)
 
 
 def reported_count(value: object) -> int:
@@ -309,8 +316,8 @@ def _check_template_kwargs(kwargs: Any) -> None:
 
 @functools.cache
 def servegate_version() -> str:
-    """This install's version, read once: reading a distribution's metadata walks the import path
-    (0.4 ms), and capabilities, asked once or more a request, carry it."""
+    """This install's version, read once: reading a distribution's metadata walks the import path,
+    and capabilities, asked once or more a request, carry it."""
     try:
         return version("servegate")
     except PackageNotFoundError:

@@ -277,8 +277,7 @@ class LlamaCppConfig:
 class _Slot:
     """A `Llama` and the one thread that ever computes with it. llama.cpp parallelizes with OpenMP,
     whose worker team belongs to the calling thread: driven from a shared pool's threads, a slot
-    grows a team per thread whose idle workers spin on the same cores (on 2 cores, decode went
-    from 8-9 ms a token to 9-20 ms)."""
+    grows a team per thread whose idle workers spin on the same cores and slow every token."""
     llama: Any
     thread: ThreadPoolExecutor
 

@@ -41,8 +41,7 @@ class StreamTimer:
         self._handle = self.loop.call_at(self._limit(start), self._check)
 
     async def next(self, items: AsyncIterator[T]) -> T:
-        if self._task is None:
-            self._task = asyncio.current_task()
+        self._task = asyncio.current_task()  # a stream may be read by more than one task in turn
         self._waiting_since = self.loop.time()
         if self._handle is None:
             self._handle = self.loop.call_at(self._limit(self._waiting_since), self._check)

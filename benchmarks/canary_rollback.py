@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from advisor.bench.baselines import servegate_env  # noqa: E402
+from advisor.measure.baselines import servegate_env  # noqa: E402
 from backends import peers  # noqa: E402
 from backends.builtin.loader import default_model_path, gguf_to_hf_dir  # noqa: E402
 from backends.launch import free_port, supervised  # noqa: E402

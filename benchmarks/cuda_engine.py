@@ -26,7 +26,7 @@ import torch
 from decode_step import decode_step_ms, prompt
 from quant_accuracy import TOPICS, chat_prompt
 
-from advisor.bench.metrics import RequestResult, summarize
+from advisor.measure.metrics import RequestResult, summarize
 from backends.builtin.config import EngineConfig
 from backends.builtin.engine import LLMEngine
 from backends.builtin.loader import load_model, model_dir

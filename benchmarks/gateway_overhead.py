@@ -34,8 +34,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from advisor.bench.baselines import free_port  # noqa: E402
-from advisor.bench.stub import CHUNKS, MODEL  # noqa: E402
+from advisor.measure.baselines import free_port  # noqa: E402
+from advisor.measure.stub import CHUNKS, MODEL  # noqa: E402
 from backends.launch import supervised  # noqa: E402
 
 FIRST_CONTENT = re.compile(rb'"content":\s*"[^"]')  # a chunk with text (not the empty role chunk)
@@ -207,7 +207,7 @@ def main() -> None:
         home = Path(tmp)
         stub_port = free_port()
         stub_url = f"http://127.0.0.1:{stub_port}"
-        stub_cmd = [sys.executable, "-m", "uvicorn", "advisor.bench.stub:app", "--port", str(stub_port),
+        stub_cmd = [sys.executable, "-m", "uvicorn", "advisor.measure.stub:app", "--port", str(stub_port),
                     "--log-level", "warning", "--no-access-log"]
         root = str(Path(__file__).resolve().parents[1])
         with process(stub_cmd, stub_url, "/health", env={"PYTHONPATH": root}, cpu=1):

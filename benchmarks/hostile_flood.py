@@ -30,9 +30,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from advisor.bench.baselines import free_port  # noqa: E402
+from advisor.measure.baselines import free_port  # noqa: E402
 from backends.launch import supervised  # noqa: E402
-from gateway.telemetry import percentile  # noqa: E402
+from gateway.operations.telemetry import percentile  # noqa: E402
 
 FLOOD_BYTES = 7 * 1024 * 1024
 

@@ -34,7 +34,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from advisor.bench.baselines import free_port, servegate_env  # noqa: E402
+from advisor.measure.baselines import free_port, servegate_env  # noqa: E402
 from backends import peers  # noqa: E402
 from backends.builtin.loader import default_model_path, gguf_to_hf_dir  # noqa: E402
 from backends.launch import supervised  # noqa: E402

@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from advisor.bench.baselines import free_port, servegate_command, server_process
-from advisor.bench.cli import load_tokenizer
-from advisor.bench.datasets import shared_prefix_dataset
-from advisor.bench.metrics import summarize
-from advisor.bench.runner import run_workload
-from advisor.bench.targets import OpenAITarget
+from advisor.measure.baselines import free_port, servegate_command, server_process
+from advisor.measure.cli import load_tokenizer
+from advisor.measure.datasets import shared_prefix_dataset
+from advisor.measure.metrics import summarize
+from advisor.measure.runner import run_workload
+from advisor.measure.targets import OpenAITarget
 
 
 async def measure(url: str, conversations) -> dict:

@@ -1,4 +1,4 @@
-from .cli import app
+from gateway.cli import app
 
 if __name__ == "__main__":  # the engine-core process re-imports this module under spawn
     app()

@@ -14,16 +14,15 @@ from opentelemetry.trace import TracerProvider
 from sqlalchemy import Engine
 
 from backends.base import Backend
-
-from .api import admin, health, metrics, openai, tgi
-from .calls import refusal
-from .db import make_engine
-from .deps import credential
-from .errors import BodyTooLarge, GatewayError, error_response, install_error_handlers
-from .quotas import QuotaExceeded, QuotaStoreDown
-from .service import Gateway
-from .settings import Settings
-from .tracing import TRACER_NAME, TraceRequests, otlp_provider
+from gateway.api import admin, health, metrics, openai, tgi
+from gateway.api.deps import credential
+from gateway.db import make_engine
+from gateway.errors import BodyTooLarge, GatewayError, error_response, install_error_handlers
+from gateway.inference.call import refusal
+from gateway.operations.tracing import TRACER_NAME, TraceRequests, otlp_provider
+from gateway.service import Gateway
+from gateway.settings import Settings
+from gateway.tenancy.quotas import QuotaExceeded, QuotaStoreDown
 
 log = logging.getLogger("servegate.gateway")
 

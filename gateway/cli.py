@@ -12,8 +12,8 @@ from typing import Annotated
 import typer
 import yaml
 
-from advisor.bench.cli import BenchCommand, bench
 from advisor.cli import advise_command
+from advisor.measure.cli import BenchCommand, bench
 from backends.launch import RUNTIMES as LAUNCHABLE
 
 app = typer.Typer(help="servegate: LLM gateway, runtime advisor and TGI migration.", no_args_is_help=True)
@@ -53,9 +53,9 @@ def _session():
     """A session on the migrated database of `SERVEGATE_DATABASE_URL`; errors end the command."""
     from sqlmodel import Session
 
-    from .db import NotMigrated, check_migrated, make_engine
-    from .errors import GatewayError
-    from .settings import Settings
+    from gateway.db import NotMigrated, check_migrated, make_engine
+    from gateway.errors import GatewayError
+    from gateway.settings import Settings
 
     engine = make_engine(Settings().database_url)
     try:
@@ -129,12 +129,12 @@ def serve(
     import uvicorn
     from sqlmodel import Session
 
-    from .app import create_app
-    from .config import load_backends
-    from .db import NotMigrated, check_migrated, is_new_sqlite, make_engine, upgrade
-    from .settings import Settings
-    from .telemetry import configure_logging
-    from .tenancy import bootstrap
+    from gateway.app import create_app
+    from gateway.config import load_backends
+    from gateway.db import NotMigrated, check_migrated, is_new_sqlite, make_engine, upgrade
+    from gateway.operations.telemetry import configure_logging
+    from gateway.settings import Settings
+    from gateway.tenancy.tenants import bootstrap
 
     if isinstance(engine, ValueError):  # before anything loads
         _fail(str(engine))
@@ -170,8 +170,8 @@ def serve(
 @db_app.command("upgrade")
 def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head") -> None:
     """Run the migrations (creates the database schema on first use)."""
-    from .db import make_engine, revisions, upgrade
-    from .settings import Settings
+    from gateway.db import make_engine, revisions, upgrade
+    from gateway.settings import Settings
 
     engine = make_engine(Settings().database_url)
     upgrade(engine, revision)
@@ -181,8 +181,8 @@ def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")]
 @db_app.command("current")
 def db_current() -> None:
     """The database's revision and the code's."""
-    from .db import make_engine, revisions
-    from .settings import Settings
+    from gateway.db import make_engine, revisions
+    from gateway.settings import Settings
 
     current, head = revisions(make_engine(Settings().database_url))
     typer.echo(f"database: {current or 'none'}, code: {head}")
@@ -208,7 +208,7 @@ def tenants_create(
     """Create a tenant."""
     from pydantic import ValidationError
 
-    from .tenancy import TenantIn, cli_actor, create_tenant
+    from gateway.tenancy.tenants import TenantIn, cli_actor, create_tenant
 
     with _session() as session:
         try:
@@ -225,7 +225,7 @@ def tenants_create(
 @tenants_app.command("list")
 def tenants_list(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """List tenants and their limits."""
-    from .tenancy import list_tenants
+    from gateway.tenancy.tenants import list_tenants
 
     with _session() as session:
         _print(list_tenants(session), as_json, ["name", "tier", "models", "disabled", *LIMIT_OPTIONS])
@@ -246,7 +246,7 @@ def tenants_update(
     disable: Annotated[bool | None, typer.Option("--disable/--enable", help="Refuse or accept its keys.")] = None,
 ) -> None:
     """Change a tenant's limits, models, tier, or disable it."""
-    from .tenancy import TenantPatch, cli_actor, update_tenant
+    from gateway.tenancy.tenants import TenantPatch, cli_actor, update_tenant
 
     given = {"rpm": rpm, "tpm": tpm, "tokens_per_day": tokens_per_day, "max_concurrency": max_concurrency,
              "max_tokens_per_request": max_tokens_per_request, "daily_budget_usd": daily_budget_usd,
@@ -277,7 +277,7 @@ def keys_create(
     """Create a key; the key is printed alone on the last line, once."""
     from pydantic import ValidationError
 
-    from .tenancy import KeyIn, cli_actor, create_key
+    from gateway.tenancy.tenants import KeyIn, cli_actor, create_key
 
     with _session() as session:
         try:
@@ -296,7 +296,7 @@ def keys_create(
 def keys_list(tenant: Annotated[str | None, typer.Option()] = None,
               as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """List keys (prefixes only: keys are never stored)."""
-    from .tenancy import list_keys
+    from gateway.tenancy.tenants import list_keys
 
     with _session() as session:
         _print(list_keys(session, tenant), as_json,
@@ -306,7 +306,7 @@ def keys_list(tenant: Annotated[str | None, typer.Option()] = None,
 @keys_app.command("revoke")
 def keys_revoke(prefix: str) -> None:
     """Revoke a key; every replica refuses it within the refresh interval."""
-    from .tenancy import cli_actor, revoke_key
+    from gateway.tenancy.tenants import cli_actor, revoke_key
 
     with _session() as session:
         key = revoke_key(session, cli_actor(), prefix)
@@ -316,7 +316,7 @@ def keys_revoke(prefix: str) -> None:
 @keys_app.command("rotate")
 def keys_rotate(prefix: str) -> None:
     """Replace a key by a new one with the same tenant, scopes and limits; prints the new key."""
-    from .tenancy import cli_actor, rotate_key
+    from gateway.tenancy.tenants import cli_actor, rotate_key
 
     with _session() as session:
         created = rotate_key(session, cli_actor(), prefix)
@@ -388,8 +388,8 @@ def usage(
     """Usage totals and the latest records, from the database."""
     from datetime import datetime
 
-    from .models import in_utc
-    from .tenancy import usage_report
+    from gateway.tables import in_utc
+    from gateway.tenancy.tenants import usage_report
 
     try:
         start, end = (in_utc(datetime.fromisoformat(t)) if t else None for t in (since, until))
@@ -420,7 +420,7 @@ def _share(text: str) -> float:
 
 
 def _backend_names(config: Path) -> set[str]:
-    from .config import GatewayConfig
+    from gateway.config import GatewayConfig
 
     return {b.name for b in GatewayConfig.model_validate(yaml.safe_load(config.read_text()) or {}).backends}
 
@@ -435,8 +435,8 @@ def routes_deploy(
     """Deploy a new version of a route: active at once, or as a canary beside the active one."""
     from pydantic import ValidationError
 
-    from .routes import RouteSpec, deploy
-    from .tenancy import cli_actor
+    from gateway.rollout.route_versions import RouteSpec, deploy
+    from gateway.tenancy.tenants import cli_actor
 
     try:
         spec = RouteSpec.model_validate(yaml.safe_load(file.read_text()) or {})
@@ -452,8 +452,8 @@ def routes_deploy(
 @routes_app.command("promote")
 def routes_promote(alias: str) -> None:
     """Make the canary the active version."""
-    from .routes import promote
-    from .tenancy import cli_actor
+    from gateway.rollout.route_versions import promote
+    from gateway.tenancy.tenants import cli_actor
 
     with _session() as session:
         out = promote(session, cli_actor(), alias)
@@ -468,8 +468,8 @@ def routes_rollback(
 ) -> None:
     """End the canary, or return to an earlier version; replicas follow within the refresh
     interval and requests already running finish where they are."""
-    from .routes import rollback
-    from .tenancy import cli_actor
+    from gateway.rollout.route_versions import rollback
+    from gateway.tenancy.tenants import cli_actor
 
     with _session() as session:
         out = rollback(session, cli_actor(), alias, to, reason)
@@ -479,7 +479,7 @@ def routes_rollback(
 @routes_app.command("history")
 def routes_history(alias: str, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """A route's versions, newest first, and every change made to it."""
-    from .routes import history
+    from gateway.rollout.route_versions import history
 
     with _session() as session:
         data = history(session, alias)
@@ -497,7 +497,7 @@ def routes_history(alias: str, as_json: Annotated[bool, typer.Option("--json")] 
 @routes_app.command("shadow-report")
 def routes_shadow_report(alias: str, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Mirrored requests: each candidate's errors, latency and agreement with the primary."""
-    from .shadow import report
+    from gateway.rollout.shadow import report
 
     with _session() as session:
         rows = report(session, alias)
@@ -519,9 +519,8 @@ def migrate_tgi(
     output: Annotated[Path | None, typer.Option(help="Write plan, servegate.yaml and route files here.")] = None,
 ) -> None:
     """Plan the move off TGI: `servegate migrate tgi -- --model-id X --num-shard 2 ... PREFIX_CACHING=1`."""
+    from gateway.rollout.tgi_migration import MigrationError, TGIDeployment, plan, to_markdown
     from policies.rollout import load_rollout
-
-    from .migration import MigrationError, TGIDeployment, plan, to_markdown
 
     if candidate not in ("vllm", "sglang"):
         _fail(f"--candidate {candidate!r}: vllm or sglang")

@@ -1,7 +1,8 @@
 """The gateway's shared state, one per process: who may call (directory), how much (quotas),
-what they used (ledger), how many at once (admission, in the router), and what it all looks
-like (metrics). A request runs as a `Call`; its one `Outcome` comes back here (`settle`) and is
-handed on to the ledger, quota settlement, metrics, the canary guard and shadow comparison."""
+what they used (ledger), what it can send to (the fleet) and where each request goes (the
+router), and what it all looks like (metrics). A request runs as a `Call` inside `Gateway.call`,
+whose end settles it: its one `Outcome` is handed on to the ledger, quota settlement, metrics,
+the canary guard and shadow comparison."""
 
 from __future__ import annotations
 
@@ -13,51 +14,51 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 
 from sqlalchemy import Engine
 
-from backends.base import NANO_USD_PER_USD, Backend, ContextTooLong, GenerateRequest, Health, TokenSpan
+from backends.base import NANO_USD_PER_USD, Backend, ContextTooLong, GenerateRequest, TokenSpan
+from gateway.errors import GatewayError
+from gateway.inference.admission import Admission
+from gateway.inference.call import Call, Outcome, Shared, refusal
+from gateway.inference.fleet import Breaker, Fleet
+from gateway.inference.routing import Decision, RequestFacts, Router
+from gateway.operations.telemetry import GatewayMetrics
+from gateway.operations.tracing import OFF, RequestTrace, decided
+from gateway.rollout import shadow
+from gateway.rollout.canary import CanaryGuard
+from gateway.settings import Settings
+from gateway.tenancy import budgets, ledger
+from gateway.tenancy.auth import Directory, Principal
+from gateway.tenancy.ledger import UsageLedger
+from gateway.tenancy.quotas import MemoryQuotaStore, QuotaExceeded, QuotaStore, RedisQuotaStore, Reservation, Spent
 from policies.rollout import ROLLOUT, load_rollout
-
-from . import budgets, ledger, shadow
-from .admission import Admission
-from .auth import Directory, Principal
-from .calls import Call, CallEnv, Outcome, refusal
-from .canary import CanaryGuard
-from .ledger import UsageLedger
-from .quotas import MemoryQuotaStore, QuotaExceeded, QuotaStore, RedisQuotaStore, Reservation, Spent
-from .routing import Breaker, Decision, ModelRouter, RequestFacts
-from .settings import Settings
-from .telemetry import GatewayMetrics
-from .tracing import OFF, RequestTrace, decided
 
 log = logging.getLogger("servegate.gateway")
 requests_log = logging.getLogger("servegate.requests")
 RECOUNT_TIMEOUT_S = 5.0
 RESTART_S = (0.5, 30.0)  # a background task that died waits this long before its restart, doubling
+SETTLE_WAIT_S = 0.5  # how long the end of an answer waits for its quota settlement (Redis may be slow)
 
 
 class Gateway:
     def __init__(self, backends: dict[str, Backend], settings: Settings, db: Engine) -> None:
         self.settings, self.db = settings, db
-        admission = {  # per backend, by name
-            b.name: Admission(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s)
-            for b in backends.values()
-        }
-        self.router = ModelRouter(backends, settings.route_seed,
-                                  Breaker(settings.breaker_failures, settings.breaker_cooldown_s), admission)
+        self.fleet = Fleet(backends, Breaker(settings.breaker_failures, settings.breaker_cooldown_s),
+                           lambda: Admission(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s))
+        self.router = Router(self.fleet, settings.route_seed)
         self.directory = Directory(db, settings)
         self.quotas: QuotaStore = RedisQuotaStore(
             settings.redis_url, settings.quota_lease_s, history=self._spent, fail=settings.quota_redis_down,
         ) if settings.redis_url else MemoryQuotaStore()
         self.ledger = UsageLedger(db, settings.spool_dir, settings.usage_flush_s)
         self.metrics = GatewayMetrics()
-        self.metrics.saturation.set_function(lambda: max((a.saturation for a in admission.values()), default=0.0))
+        self.metrics.saturation.set_function(lambda: self.fleet.saturation)
         self.metrics.quarantined.set_function(lambda: self.ledger.quarantined)
-        self.env = CallEnv(self.router, self.quotas, self.metrics, settings)
+        self.shared = Shared(self.fleet, self.quotas, self.metrics, settings)
         self._tasks: set[asyncio.Task] = set()
-        self._shadows: dict[str, asyncio.Task] = {}  # request id -> its mirrored call, until the primary ends
+        self._shadows: dict[str, asyncio.Task[Outcome | None]] = {}  # request id -> its mirror, till the primary ends
         self._open: dict[str, Call] = {}  # billed calls not yet settled, checkpointed while they run
         self.down: dict[str, str] = {}  # background tasks that died and wait for their restart -> why
         self.canary = CanaryGuard(self.router, db, self.metrics, load_rollout(settings.rollout_policy or ROLLOUT))
@@ -74,7 +75,7 @@ class Gateway:
         self.supervise("spool recovery", self._recoveries)
         self.supervise("quota leases", self.quotas.run)
         self.spawn(self._refresh_routes())
-        self.spawn(self._poll_loads())
+        self.spawn(self.fleet.watch(self.router.targets, self.settings.load_poll_s))
         self.spawn(self.canary.run())
 
     async def close(self) -> None:
@@ -160,21 +161,52 @@ class Gateway:
         return decision
 
     # -- requests -----------------------------------------------------------------------------
-    def call(self, principal: Principal, decision: Decision, greq: GenerateRequest, api: str, stream: bool,
-             trace: RequestTrace = OFF) -> Call:
-        """A request to run; when the decision mirrors it, its shadow starts at the same time, through
-        the same admission and timeouts, unbilled (and untraced)."""
+    @contextlib.asynccontextmanager
+    async def call(self, principal: Principal, decision: Decision, request: GenerateRequest, api: str,
+                   stream: bool, trace: RequestTrace = OFF) -> AsyncIterator[Call]:
+        """A request's whole life: the block runs its `Call`; the block's end closes it and settles
+        its outcome (the one place a call is settled). When the decision mirrors the request, its
+        shadow runs at the same time, through the same admission and timeouts, unbilled (and
+        untraced). An answer that finished waits (briefly) for its quota settlement before the
+        block ends, so a client that sends its next request on seeing the end finds its slot free."""
+        request = dataclasses.replace(request, max_tokens=self._max_tokens(principal, request.max_tokens))
         if not self.settings.shared_prefix_cache:
-            greq = dataclasses.replace(greq, cache_salt=prefix_cache_salt(principal.tenant.name))
+            request = dataclasses.replace(request, cache_salt=prefix_cache_salt(principal.tenant.name))
         if decision.shadow is not None:
-            mirrored = Call(self.env, principal, dataclasses.replace(decision, candidates=[decision.shadow]),
-                            dataclasses.replace(greq, request_id=f"{greq.request_id}-shadow"), api, stream,
+            mirrored = Call(self.shared, principal, dataclasses.replace(decision, candidates=[decision.shadow]),
+                            dataclasses.replace(request, request_id=f"{request.request_id}-shadow"), api, stream,
                             billed=False, keep_text=True)
-            self._shadows[greq.request_id] = self.spawn(_drained(mirrored))
-        call = Call(self.env, principal, decision, greq, api, stream, keep_text=decision.shadow is not None,
+            self._shadows[request.request_id] = self.spawn(self._mirror(mirrored))
+        call = Call(self.shared, principal, decision, request, api, stream, keep_text=decision.shadow is not None,
                     trace=trace)
-        self._open[greq.request_id] = call
-        return call
+        self._open[request.request_id] = call
+        try:
+            async with call:
+                yield call
+        finally:
+            self._open.pop(request.request_id, None)
+            settling = self._settle(call)
+        if settling is not None and call.outcome.status == "ok":
+            await asyncio.wait({settling}, timeout=SETTLE_WAIT_S)
+
+    @staticmethod
+    def _max_tokens(principal: Principal, asked: int | None) -> int | None:
+        """The request's max_tokens under its key's limit per request (the limit where none is asked)."""
+        cap = principal.max_tokens_per_request
+        if cap is not None and asked is not None and asked > cap:
+            raise GatewayError(400, f"max_tokens {asked} exceeds this key's limit of {cap} tokens per request.",
+                               "invalid_request_error", code="max_tokens_exceeded", param="max_tokens")
+        return cap if asked is None else asked
+
+    async def _mirror(self, call: Call) -> Outcome | None:
+        """A shadow's call run to its end, for nobody: its outcome is what the primary's settlement
+        compares."""
+        async with call:
+            with contextlib.suppress(Exception):
+                await call.open()
+                async for _ in call.rest():
+                    pass
+        return call.outcome
 
     async def tokenize(self, principal: Principal, decision: Decision, text: str) -> list[TokenSpan]:
         """A text's tokens by the model's backend, charged to the caller's quotas as a prompt is: one
@@ -202,14 +234,11 @@ class Gateway:
                                  "tokens.", param="inputs")
         return spans
 
-    def settle(self, call: Call) -> asyncio.Task | None:
+    def _settle(self, call: Call) -> asyncio.Task | None:
         """A call's end: its outcome handed on. A call refused before it reached a backend (quota,
-        limits) has none; only its shadow is dropped. Returns the quota settlement under way, if
-        any, for the caller to wait on (briefly) before the client sees the end: a client that sends
-        its next request on seeing it finds its concurrency slot free."""
-        self._open.pop(call.greq.request_id, None)
+        limits) has none; only its shadow is dropped. Returns the quota settlement under way, if any."""
         if call.outcome is None:
-            mirrored = self._shadows.pop(call.greq.request_id, None)
+            mirrored = self._shadows.pop(call.request.request_id, None)
             if mirrored is not None:
                 mirrored.cancel()
             return None
@@ -277,7 +306,7 @@ class Gateway:
         the prompt as the runtime counts it, the text sent without token ids tokenized; else the
         estimates stand. Never below one token per piece the client was sent."""
         usage, recount = outcome.usage, outcome.recount
-        backend = self.router.by_name.get(outcome.backend)
+        backend = self.fleet.backend(outcome.backend)
         if backend is not None:
             with contextlib.suppress(Exception):  # the reservation's count stands
                 async with asyncio.timeout(RECOUNT_TIMEOUT_S):
@@ -296,7 +325,7 @@ class Gateway:
         """The route table from the database; this replica serves it from now on."""
         from sqlmodel import Session
 
-        from .routes import table
+        from gateway.rollout.route_versions import table
 
         with Session(self.db) as session:
             self.router.set_routes(table(session))
@@ -311,36 +340,9 @@ class Gateway:
             except Exception as exc:  # the database is down: keep the last table
                 log.warning("route refresh failed: %s", exc)
 
-    async def _poll_loads(self) -> None:
-        """Route targets' health and live load (queue, KV usage): a target that reports itself
-        down is skipped until it is back; the load feeds least-loaded and prefix-aware choices."""
-        while True:
-            names = {b for state in self.router.routes.values() for version in (state.active, state.canary)
-                     if version is not None for b in version.spec.backends()}
-            for name in names & set(self.router.by_name):
-                backend = self.router.by_name[name]
-                with contextlib.suppress(Exception):
-                    if await backend.health() == Health.DOWN:
-                        self.router.down.add(name)
-                        continue
-                    self.router.down.discard(name)
-                    self.router.loads[name] = await backend.load()
-                    if name not in self.router.capabilities:
-                        self.router.capabilities[name] = await backend.capabilities()
-            await asyncio.sleep(self.settings.load_poll_s)
-
 
 def _route_label(decision: Decision) -> str:
     return decision.model if decision.alias is None else f"{decision.alias}@{decision.version}"
-
-
-async def _drained(call: Call) -> Outcome:
-    """Run a call to its end, for nobody: its outcome is what matters."""
-    with contextlib.suppress(Exception):
-        _, events = await call.open()
-        async for _ in events:
-            pass
-    return call.outcome
 
 
 def prefix_cache_salt(tenant: str) -> str:

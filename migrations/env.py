@@ -4,7 +4,7 @@ from alembic import context
 from sqlalchemy import text
 from sqlmodel import SQLModel, create_engine
 
-import gateway.models  # noqa: F401  (registers the tables on SQLModel.metadata)
+import gateway.tables  # noqa: F401  (registers the tables on SQLModel.metadata)
 
 config = context.config
 engine = config.attributes.get("engine") or create_engine(config.get_main_option("sqlalchemy.url"))

@@ -165,7 +165,7 @@ def gateway_app(backends: dict, home: Path, db_url: str | None = None, tracer_pr
     from gateway.app import create_app
     from gateway.db import make_engine, upgrade
     from gateway.settings import Settings
-    from gateway.tenancy import bootstrap
+    from gateway.tenancy.tenants import bootstrap
 
     config = Settings(database_url=db_url or f"sqlite:///{home}/servegate.db", spool_dir=home / "spool", **settings)
     db = make_engine(config.database_url)
@@ -239,7 +239,7 @@ def openai_upstream(pieces_for, status: int = 200):
     """An OpenAI-compatible upstream answering GETs as the bench stub does, and each POST with
     `status` (an error body unless 200) and the SSE pieces `pieces_for(path)` gives, a list or an
     async iterator."""
-    from advisor.bench import stub
+    from advisor.measure import stub
 
     async def app(scope, receive, send):
         if scope["type"] != "http":

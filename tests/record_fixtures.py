@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from advisor.bench.baselines import free_port
+from advisor.measure.baselines import free_port
 from backends import peers
 from backends.builtin.loader import default_model_path, gguf_to_hf_dir
 from backends.launch import supervised

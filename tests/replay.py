@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import json
 
-from advisor.bench import stub
+from advisor.measure import stub
 
 
 def replay(fixture: dict, seen: list | None = None):

@@ -14,7 +14,7 @@ from advisor.capacity import MissingArchitectureField, estimate_params
 from advisor.hardware import UnknownHardware
 from advisor.hardware import catalogue as catalogue_devices
 from advisor.hardware import resolve as hardware
-from advisor.models import UnknownModel, catalogue, resolve
+from advisor.model_facts import UnknownModel, catalogue, resolve
 from advisor.report import to_html, to_json, to_markdown
 from gateway.cli import app
 from policies.matrix import HARDWARE_FAMILIES, MATRICES, load_matrix, matrices
@@ -84,6 +84,7 @@ def test_parameters_derived_from_configs_match_the_published_counts():
             assert abs(active - entry["params_active"]) / entry["params_active"] < 0.02, model
 
 
+@pytest.mark.slow
 def test_weights_estimate_within_2_percent_of_real_files(default_model_dir):
     """The default GGUF (read from its tensor types) and a safetensors model (estimated from its
     config alone) against the bytes on disk."""
@@ -99,6 +100,7 @@ def test_weights_estimate_within_2_percent_of_real_files(default_model_dir):
     assert abs(total * 4 - on_disk) / on_disk < 0.02  # float32 on disk
 
 
+@pytest.mark.slow
 def test_a_measured_machine_is_read_at_the_models_row_width_and_not_derated_again():
     """`local` measures matrix-vector bandwidth with rows as wide as the model's hidden size, and a
     measured figure is what a kernel reached already: the decode estimate divides by it undiluted,
@@ -301,6 +303,7 @@ def test_list_hardware():
     assert result.exit_code == 0 and "h100-sxm" in result.stdout and "mi300x" in result.stdout
 
 
+@pytest.mark.slow
 def test_html_report_renders_with_its_charts_in_headless_chromium(tmp_path, scenario_reports):
     import shutil
     import subprocess
@@ -328,7 +331,7 @@ def test_html_report_renders_with_its_charts_in_headless_chromium(tmp_path, scen
 def test_measure_benchmarks_a_live_candidate_beside_its_estimate():
     """--measure against a real llama-cpp-python server on the default GGUF: the report carries the
     bench's figures next to the estimate, and how far off the estimate was."""
-    from advisor.bench.baselines import free_port, llama_cpp_command, server_process
+    from advisor.measure.baselines import free_port, llama_cpp_command, server_process
     from backends.builtin.loader import default_model_path
 
     gguf = default_model_path()
@@ -395,6 +398,7 @@ def test_inputs_no_runtime_could_serve_exit_2_naming_the_problem(args, says):
     assert "Traceback" not in output and not isinstance(result.exception, ZeroDivisionError)
 
 
+@pytest.mark.slow
 def test_a_request_rate_beyond_capacity_asks_for_replicas_instead_of_diverging():
     """`--request-rate 1000` iterated Little's law past capacity and reported ~2e25 requests queued
     with `meets_slo: true`."""
@@ -570,6 +574,7 @@ def test_a_lead_resting_on_unverified_cells_is_no_lead():
     assert _rank(verified) == [] and [c.verdict for c in verified] == ["recommended", "viable"]
 
 
+@pytest.mark.slow
 def test_no_runtime_meeting_the_slo_is_said_plainly_with_estimated_alternatives():
     """Every goodput was 0 and one runtime was still "recommended", with no advice."""
     report = advise(resolve("meta-llama/Llama-3.1-70B-Instruct"), hardware("l4"), 8, Workload(slo_tpot_ms=20))
@@ -583,6 +588,7 @@ def test_no_runtime_meeting_the_slo_is_said_plainly_with_estimated_alternatives(
     assert "What would meet the SLO" in to_markdown(report)
 
 
+@pytest.mark.slow
 def test_requirement_flags_read_the_feature_cells():
     load = Workload(structured_output=True, multi_lora=True, speculative_decoding=True)
     report = _by_runtime(advise(resolve("meta-llama/Llama-3.1-8B-Instruct"), hardware("l4"), 1, load))
@@ -616,6 +622,7 @@ def test_a_model_too_big_for_one_card_is_told_both_fixes():
     assert "it fits from 2 x t4" in report.summary and "--weight-quant fp8" in report.summary
 
 
+@pytest.mark.slow
 def test_a_prompt_past_the_native_context_names_yarn_and_its_limit():
     """A 128k prompt on Qwen3-32B (native 32k, 40,960 in its config) gave no YaRN note."""
     report = advise(resolve("Qwen/Qwen3-32B"), hardware("h200"), 1, Workload(prompt_tokens=128000,
@@ -627,6 +634,7 @@ def test_a_prompt_past_the_native_context_names_yarn_and_its_limit():
     assert not any("RoPE" in note for note in short.notes)
 
 
+@pytest.mark.slow
 def test_the_examples_document_is_what_the_advisor_says_today():
     """docs/advisor-examples.md is generated (`python -m advisor.examples`): a change to a cell, a
     rule or the model that moves an answer must regenerate it."""
@@ -704,6 +712,7 @@ def test_bad_inputs_exit_2_naming_the_input_never_a_traceback(args, says):
     assert "Traceback" not in output and not isinstance(result.exception, (ValueError, TypeError))
 
 
+@pytest.mark.slow
 def test_every_format_carries_the_same_content():
     """Ranking with ranges, exclusions with their cited cells and code lines, ties, what would meet
     the SLO, launch lines and assumptions: in Markdown, in HTML (with the goodput curve) and in JSON."""

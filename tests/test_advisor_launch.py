@@ -14,7 +14,7 @@ import pytest
 from advisor.advise import Workload, _capacity, advise
 from advisor.examples import SCENARIOS
 from advisor.hardware import resolve as hardware
-from advisor.models import resolve
+from advisor.model_facts import resolve
 from backends import peers
 from backends.launch import free_port, supervised
 from tests.conftest import provisioned_or_skip
@@ -174,6 +174,7 @@ def test_lora_adapters_cost_memory_and_decode_time_and_every_line_loads_them():
     assert "placeholders" in rank.launch["lora_note"]
 
 
+@pytest.mark.slow
 def test_each_request_may_run_to_the_models_context_as_far_as_the_kv_cache_holds_one():
     qwen = "Qwen/Qwen2.5-7B-Instruct"  # 32,768 tokens
     roomy = _candidates(qwen, "h100-sxm", 1, Workload())["vllm"]
@@ -200,6 +201,7 @@ def test_parallelism_flags_per_runtime():
         command(LaunchSpec(runtime="llama-cpp-python", model="m", port=1, lora_modules={"a": "x", "b": "y"}))
 
 
+@pytest.mark.slow
 def test_a_rate_no_deployment_serves_is_answered_with_the_devices_it_needs():
     report = advise(resolve("meta-llama/Llama-3.1-8B-Instruct"), hardware("h100-sxm"), 1, Workload(request_rate=1e9))
     assert report.summary.startswith("Not servable on 1 x h100-sxm: 1e+09 req/s")

@@ -9,13 +9,16 @@ import subprocess
 import time
 
 import httpx
+import pytest
 
-from advisor.bench.baselines import free_port, llama_cpp_command
+from advisor.measure.baselines import free_port, llama_cpp_command
 from backends.builtin.loader import default_model_path
 from backends.cpu import for_this_cpu
 from backends.llamacpp import LlamaCppServerBackend, llama_server_config
 
 from .conftest import AUTH, gateway_app, serve_app, wait_ready
+
+pytestmark = pytest.mark.slow
 
 
 def test_killing_the_backend_mid_stream_ends_the_stream_with_an_error_event(tmp_path):

@@ -12,12 +12,12 @@ import psutil
 import pytest
 from typer.testing import CliRunner
 
-from advisor.bench.arrivals import arrival_times
-from advisor.bench.baselines import HFStaticBackend
-from advisor.bench.datasets import Conversation, Turn, shared_prefix_dataset, trace_dataset
-from advisor.bench.metrics import RequestResult, knee, kv_summary, parse_goodput, summarize
-from advisor.bench.plot import plot_sweep
-from advisor.bench.runner import peak_memory, process_tree, tree_peak_mib
+from advisor.measure.arrivals import arrival_times
+from advisor.measure.baselines import HFStaticBackend
+from advisor.measure.datasets import Conversation, Turn, shared_prefix_dataset, trace_dataset
+from advisor.measure.metrics import RequestResult, knee, kv_summary, parse_goodput, summarize
+from advisor.measure.plot import plot_sweep
+from advisor.measure.runner import peak_memory, process_tree, tree_peak_mib
 from backends.base import GenerateRequest
 from backends.builtin import BuiltinBackend, EngineConfig
 from gateway.cli import app
@@ -134,6 +134,7 @@ def server(tiny_model_dir, tmp_path_factory):
         yield url, backend
 
 
+@pytest.mark.slow
 def test_bench_end_to_end_against_servegate_serve(server, tmp_path):
     url, backend = server
     out = tmp_path / "result.json"
@@ -156,6 +157,7 @@ def test_bench_end_to_end_against_servegate_serve(server, tmp_path):
     assert data["preemptions"] == 0 and 0 <= data["mean_queue_delay_ms"] < 1000  # 8 requests, none held long
 
 
+@pytest.mark.slow
 def test_bench_takes_vllm_bench_serves_spellings(server, tmp_path):
     """--base-url, the key from OPENAI_API_KEY, and several SLOs after one --goodput."""
     url, _ = server
@@ -168,6 +170,7 @@ def test_bench_takes_vllm_bench_serves_spellings(server, tmp_path):
     assert data["completed"] == 2 and data["goodput_slo_ms"] == {"ttft": 60000.0, "tpot": 60000.0}
 
 
+@pytest.mark.slow
 def test_bench_reports_failures_instead_of_crashing(server, tmp_path):
     url, _ = server
     out = tmp_path / "result.json"
@@ -210,6 +213,7 @@ async def test_hf_static_batches_and_streams(tiny_model_dir):
         assert finish.finish_reasons == ("length",)
 
 
+@pytest.mark.slow
 def test_a_servers_peak_memory_counts_its_descendants_and_a_peak_between_reads():
     """A server's memory is its process tree's: here a parent that holds little and a child, as
     vLLM's API process and its engine core, that holds 256 MiB for a moment in the middle of the
@@ -251,6 +255,7 @@ def test_a_servers_peak_memory_counts_its_descendants_and_a_peak_between_reads()
     assert tree_peak_mib(processes) is None
 
 
+@pytest.mark.slow
 def test_compare_runs_the_same_workload_against_the_peers(tmp_path):
     out = tmp_path / "compare.json"
     result = CliRunner().invoke(app, [
@@ -267,6 +272,7 @@ def test_compare_runs_the_same_workload_against_the_peers(tmp_path):
     assert all(d["peak_memory_mib"] > 100 for d in data.values()), {n: d["peak_memory_mib"] for n, d in data.items()}
 
 
+@pytest.mark.slow
 def test_compare_hands_each_system_its_own_server_flags(tmp_path):
     out = tmp_path / "flags.json"
     workload = ["bench", "--dataset", "random", "--num-prompts", "2", "--random-input-len", "16",
@@ -298,6 +304,7 @@ def test_compare_hands_each_system_its_own_server_flags(tmp_path):
     assert "builtin@short / builtin" in result.output
 
 
+@pytest.mark.slow
 def test_bench_drives_a_backend_in_process(tiny_model_dir, tmp_path):
     out = tmp_path / "inproc.json"
     result = CliRunner().invoke(app, [
@@ -312,6 +319,7 @@ def test_bench_drives_a_backend_in_process(tiny_model_dir, tmp_path):
     assert data["total_cached_tokens"] > 0 and data["kv_blocks_total"] > 0
 
 
+@pytest.mark.slow
 def test_bench_drives_llama_cpp_in_process(tmp_path):
     """llama-cpp-python in process, as its server runs it (one instance on every core)."""
     out = tmp_path / "llama.json"

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from gateway.canary import Stats, verdict
+from gateway.rollout.canary import Stats, verdict
 from policies.rollout import RolloutPolicy, load_rollout
 
 from .conftest import AUTH, gateway_app, serve_app
@@ -63,6 +63,7 @@ SLOW_CANARY = "window_s: 60\nmin_requests: 5\ncheck_every_s: 0.2\nmax_ttft_p95_r
 CLEAN_CANARY = "window_s: 60\nmin_requests: 5\ncheck_every_s: 0.2\nauto_promote_after_s: 0.5\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("guarded", [SLOW_CANARY], indirect=True)
 def test_a_canary_with_a_slow_first_token_is_rolled_back_on_its_own(guarded):
     url = guarded
@@ -88,6 +89,7 @@ def test_a_canary_with_a_slow_first_token_is_rolled_back_on_its_own(guarded):
     assert 'servegate_canary_actions_total{action="rollback",alias="chat"} 1.0' in metrics
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("guarded", [CLEAN_CANARY], indirect=True)
 def test_a_clean_canary_is_promoted_when_the_policy_says_so(guarded):
     url = guarded

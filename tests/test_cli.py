@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 
 from gateway.cli import app
 from gateway.db import make_engine
-from gateway.keys import hash_key
-from gateway.models import ApiKey, AuditLog
+from gateway.tables import ApiKey, AuditLog
+from gateway.tenancy.keys import hash_key
 
 
 def test_cli_contract(tmp_path, monkeypatch):

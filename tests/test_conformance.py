@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from advisor.bench.baselines import free_port, server_process
+from advisor.measure.baselines import free_port, server_process
 from backends.base import (
     Backend,
     ContextTooLong,
@@ -51,6 +51,8 @@ from backends.vllm import VLLMBackend
 
 from .conftest import ADMIN_KEY, gateway_app, generated, provisioned_or_skip, serve_app, wait_ready
 from .replay import replay
+
+pytestmark = pytest.mark.slow
 
 PROMPT = "The three primary colors are"
 

@@ -17,6 +17,8 @@ from backends.builtin import BuiltinBackend, EngineConfig
 
 from .conftest import ADMIN_KEY, AUTH, bearer, gateway_app, serve_app, wait_ready
 
+pytestmark = pytest.mark.slow
+
 PAGES = ("tenants", "keys", "usage", "routes", "backends", "audit")
 WIDTHS = {"laptop": 1280, "phone": 390}
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "console"

@@ -7,6 +7,8 @@ import torch
 
 from backends.builtin.sequence import SamplingParams
 
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
              "Explain gravity to a child in one paragraph."]

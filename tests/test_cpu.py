@@ -39,6 +39,7 @@ def child(script: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_llama_cpp_loads_and_generates_on_this_cpu():
     """The in-process backend's own loading path, as the gateway runs it: exit 0, never SIGILL."""
     done = child(GENERATE)
@@ -47,6 +48,7 @@ def test_llama_cpp_loads_and_generates_on_this_cpu():
     assert f"use_extra_bufts {expected}" in done.stdout
 
 
+@pytest.mark.slow
 def test_where_amx_is_refused_llama_cpp_runs_without_extra_buffer_types():
     """The guard's own path, forced on any machine: the model still loads and generates."""
     forced = "import backends.cpu as cpu\ncpu.llama_cpp_amx_fails = lambda: True\n" + GENERATE
@@ -55,6 +57,7 @@ def test_where_amx_is_refused_llama_cpp_runs_without_extra_buffer_types():
     assert "use_extra_bufts False" in done.stdout
 
 
+@pytest.mark.slow
 def test_the_probe_never_claims_amx_the_cpu_does_not_report():
     status = cpu.amx_probe()
     if "amx_tile" not in cpu.cpu_flags():
@@ -63,6 +66,7 @@ def test_the_probe_never_claims_amx_the_cpu_does_not_report():
         assert cpu.amx_reported_but_unusable() == (status != 0)
 
 
+@pytest.mark.slow
 def test_the_llama_cpp_verdict_is_what_llama_cpp_does_here():
     """Where the CPU reports AMX, the verdict is the probe child's fate; a failing child is a
     signal (the crash it stands in for), never a silent pass."""
@@ -89,6 +93,7 @@ def test_server_command_lines_follow_the_verdict(monkeypatch, refused):
     assert cpu.for_this_cpu(other) == other
 
 
+@pytest.mark.slow
 def test_llama_cpp_python_server_runs_under_the_guard():
     """`python -m backends.cpu llama_cpp.server` is llama-cpp-python's own server, guarded."""
     done = subprocess.run([sys.executable, "-m", "backends.cpu", "llama_cpp.server", "--help"], capture_output=True,

@@ -21,9 +21,11 @@ import yaml
 from gateway.api import health, metrics
 from gateway.cli import app as cli
 from gateway.config import load_backends
-from gateway.routes import RouteSpec
+from gateway.operations.telemetry import GatewayMetrics
+from gateway.rollout.route_versions import RouteSpec
 from gateway.settings import Settings
-from gateway.telemetry import GatewayMetrics
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

@@ -93,6 +93,7 @@ def test_a_failed_step_forgets_the_prefixes_it_registered(make_engine, tiny_mode
     engine.abort("r")  # as the engine's front does for the requests of a failed step
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     data=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 40), st.integers(1, 10)), min_size=1, max_size=6),
@@ -115,6 +116,7 @@ def test_cache_and_eviction_never_change_outputs(make_engine, tiny_model, data, 
         assert [o[0] for o in engine.generate(prompts, params)] == want
 
 
+@pytest.mark.slow
 def test_preemption_keeps_outputs_identical(make_engine, tiny_model):
     prompts = [[100 + 13 * i + j for j in range(40)] for i in range(6)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -125,6 +127,7 @@ def test_preemption_keeps_outputs_identical(make_engine, tiny_model):
     assert all(len(o) == 40 for o in want)
 
 
+@pytest.mark.slow
 def test_native_and_pytorch_attention_give_the_same_tokens(make_engine, default_model):
     tok = default_model.tokenizer
     prompts = [tok.encode(f"Story {i}: once upon a time") for i in range(5)]
@@ -134,6 +137,7 @@ def test_native_and_pytorch_attention_give_the_same_tokens(make_engine, default_
     assert run(native, prompts, params) == run(make_engine(attention="torch"), prompts, params)
 
 
+@pytest.mark.slow
 def test_native_layer_ops_give_the_pytorch_paths_next_tokens_in_bf16(make_engine, default_model):
     """The model wired with the fused ops predicts what it predicts without them (the ops differ
     from PyTorch's by at most a bf16 ulp, rarely: later tokens of a near tie may part ways)."""
@@ -147,6 +151,7 @@ def test_native_layer_ops_give_the_pytorch_paths_next_tokens_in_bf16(make_engine
     assert run(engine, prompts, params) == fused
 
 
+@pytest.mark.slow
 def test_int8_weights_keep_a_simple_answer(make_engine, default_model):
     tok = default_model.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
@@ -157,6 +162,7 @@ def test_int8_weights_keep_a_simple_answer(make_engine, default_model):
     assert run(quantized, [prompt], params) == run(make_engine(), [prompt], params)
 
 
+@pytest.mark.slow
 def test_preemption_on_real_model_matches(make_engine, default_model):
     tok = default_model.tokenizer
     prompts = [tok.encode(f"Count from {i} to {i + 30}:") for i in range(4)]
@@ -166,6 +172,7 @@ def test_preemption_on_real_model_matches(make_engine, default_model):
     assert run(small, prompts, params) == want and small.scheduler.num_preemptions > 0
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_reproducible_whatever_the_batch(make_engine, tiny_model):
     engine = make_engine(tiny_model, dtype="float64")
     prompt = [500 + i for i in range(20)]
@@ -200,6 +207,7 @@ def test_top_k_one_equals_greedy(make_engine, tiny_model):
     assert sampled == run(engine, [prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
 
 
+@pytest.mark.slow
 def test_stop_strings_and_stop_tokens(make_engine, default_model):
     engine = make_engine()
     tok = default_model.tokenizer
@@ -233,6 +241,7 @@ def test_stats_count_live_tokens_once_per_block(make_engine, tiny_model):
     assert engine.stats()["kv_blocks_used"] == 0
 
 
+@pytest.mark.slow
 def test_abort_frees_blocks_at_the_next_step(make_engine):
     engine = make_engine()
     engine.add_request("a", list(range(100, 180)), SamplingParams(max_tokens=50, temperature=0.0))
@@ -300,6 +309,7 @@ async def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(make_engi
         front.shutdown()
 
 
+@pytest.mark.slow
 def test_the_engine_core_in_its_own_process_serves_aborts_and_fails_cleanly(tiny_model_dir):
     """`engine_process` (the default): the same greedy text as the engine on a thread; an abandoned
     stream is aborted in the core; a core that dies fails the open stream and reports DOWN."""
@@ -344,6 +354,7 @@ def test_the_engine_core_in_its_own_process_serves_aborts_and_fails_cleanly(tiny
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_an_engine_process_that_cannot_load_says_why(tmp_path):
     import asyncio
 

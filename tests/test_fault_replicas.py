@@ -27,16 +27,16 @@ import pytest
 from sqlalchemy import text
 from sqlmodel import Session, select
 
-from advisor.bench import stub as bench_stub
-from advisor.bench.baselines import free_port, servegate_command
+from advisor.measure import stub as bench_stub
+from advisor.measure.baselines import free_port, servegate_command
 from gateway.db import make_engine, upgrade
-from gateway.models import UsageRecord
-from gateway.telemetry import percentile
-from gateway.tenancy import KeyIn, TenantIn, create_key, create_tenant
+from gateway.operations.telemetry import percentile
+from gateway.tables import UsageRecord
+from gateway.tenancy.tenants import KeyIn, TenantIn, create_key, create_tenant
 
 from . import conftest
 from .conftest import POSTGRES_URL, bearer, needs_postgres, serve_app, wait_ready
-from .test_request_core import piece
+from .upstreams import piece
 
 PIECE_S = 0.02  # the stub upstream's pace: 50 tokens a second
 CHECKPOINT_S, LEASE_S = 0.5, 3.0

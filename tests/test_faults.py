@@ -21,15 +21,15 @@ import pytest
 import redis
 from sqlmodel import Session, select
 
-from advisor.bench.baselines import free_port, servegate_command
+from advisor.measure.baselines import free_port, servegate_command
 from backends.base import GenerateRequest
 from backends.builtin.backend import BuiltinBackend
 from backends.builtin.config import EngineConfig
 from gateway.db import make_engine, upgrade
-from gateway.ledger import QUARANTINE, UsageLedger
-from gateway.models import UsageRecord
-from gateway.quotas import QuotaExceeded, QuotaLimits, RedisQuotaStore, Scope
-from gateway.tenancy import KeyIn, TenantIn, bootstrap, create_key, create_tenant
+from gateway.tables import UsageRecord
+from gateway.tenancy.ledger import QUARANTINE, UsageLedger
+from gateway.tenancy.quotas import QuotaExceeded, QuotaLimits, RedisQuotaStore, Scope
+from gateway.tenancy.tenants import KeyIn, TenantIn, bootstrap, create_key, create_tenant
 
 from .conftest import (
     ADMIN_KEY,
@@ -44,7 +44,7 @@ from .conftest import (
     wait_ready,
 )
 from .test_ledger import record
-from .test_request_core import answer, gateway_over, piece, remote, tenant_with_key
+from .upstreams import answer, gateway_over, piece, remote, tenant_with_key
 
 PRICE = {"input": 1000, "output": 1000}  # USD per million tokens: a token costs $0.001
 
@@ -92,6 +92,7 @@ class Probe:
 
 
 # -- 1 and 2: nothing heavy on the event loop, nothing counted for a tenant over its quota ---------
+@pytest.mark.slow
 def test_tokenize_is_charged_to_quotas_and_a_text_past_the_context_is_refused_untokenized(engine_gw):
     _, key = new_tenant(engine_gw, rpm=2)
     tokenize = f"{engine_gw.url}/tokenize"
@@ -108,6 +109,7 @@ def test_tokenize_is_charged_to_quotas_and_a_text_past_the_context_is_refused_un
     assert over.status_code == 429 and "requests per minute" in over.json()["error"]
 
 
+@pytest.mark.slow
 def test_a_large_prompt_over_its_tenants_quota_is_refused_before_it_is_tokenized(engine_gw, monkeypatch):
     _, key = new_tenant(engine_gw, rpm=1)
     chat = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
@@ -121,6 +123,7 @@ def test_a_large_prompt_over_its_tenants_quota_is_refused_before_it_is_tokenized
     assert not encoded, "the prompt was tokenized for a tenant already over its quota"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize", "/generate"])
 def test_a_large_body_from_a_caller_over_quota_is_refused_before_it_is_read(engine_gw, path):
     """Headers declaring 5 MB and no body at all: the refusal comes from the headers alone."""
@@ -138,6 +141,7 @@ def test_a_large_body_from_a_caller_over_quota_is_refused_before_it_is_read(engi
 
 
 # -- 3: one impossible figure from an upstream, or in a spool, stops nothing ----------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("with_redis", [False, pytest.param(True, marks=needs_redis)], ids=["in-process", "redis"])
 def test_an_upstream_reporting_2_to_the_63_prompt_tokens_poisons_no_later_request(tmp_path, with_redis):
     reports = iter([2**63] + [3] * 5)
@@ -184,6 +188,7 @@ def test_a_spool_record_the_database_refuses_is_quarantined_and_the_rest_flows(t
     assert survivor.flush() == 1
 
 
+@pytest.mark.slow
 def test_a_dead_ledger_writer_turns_ready_unready_until_it_is_restarted(engine_gw, monkeypatch):
     gateway = engine_gw.gateway
     died = threading.Event()
@@ -218,6 +223,7 @@ def test_numbers_a_runtime_reports_are_bounded_before_use():
 
 
 # -- 4: what becomes prompt tokens is reserved -----------------------------------------------------
+@pytest.mark.slow
 def test_tools_and_template_arguments_count_in_a_remote_backends_reservation(tmp_path):
     tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": "Looks a thing up. " * 5,
                                                "parameters": {"type": "object", "properties": {
@@ -236,6 +242,7 @@ def test_tools_and_template_arguments_count_in_a_remote_backends_reservation(tmp
 
 
 # -- 5: budgets outlive a restart without Redis, and Redis restarted empty -----------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("store", ["in-process", pytest.param("redis", marks=needs_redis)])
 def test_a_spent_budget_stays_spent_across_a_restart(tmp_path, store):
     settings = {"prices": {"remote": PRICE}, "usage_flush_s": 0.1}
@@ -257,6 +264,7 @@ def test_a_spent_budget_stays_spent_across_a_restart(tmp_path, store):
 
 
 # -- 6: slots are leases; settlements land ---------------------------------------------------------
+@pytest.mark.slow
 @needs_redis
 async def test_a_dead_replicas_slot_frees_after_its_lease_and_a_live_one_keeps_its_own():
     scope = Scope(f"tenant:{uuid.uuid4().hex}", QuotaLimits(max_concurrency=1))
@@ -377,6 +385,7 @@ def _rows(db_url: str, tenant: str) -> list[UsageRecord]:
 
 
 # -- 8: dates at the edges of time ---------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["/admin/usage", "/admin/usage/series", "/admin/usage/series.csv"])
 @pytest.mark.parametrize("param, value", [("since", "0001-01-01T00:00:00+00:01"),
                                           ("until", "9999-12-31T23:59:59-14:00")])
@@ -386,6 +395,7 @@ def test_usage_dates_outside_utcs_years_are_refused_by_name(engine_gw, path, par
 
 
 # -- 9: the smaller findings ------------------------------------------------------------------------
+@pytest.mark.slow
 def test_the_smaller_findings(engine_gw, tmp_path):
     assert httpx.get(f"{engine_gw.url}/docs").status_code == 404  # no third-party scripts on the console's origin
     assert httpx.get(f"{engine_gw.url}/redoc").status_code == 404
@@ -403,7 +413,7 @@ def test_the_smaller_findings(engine_gw, tmp_path):
 
     upstream = openai_upstream(lambda path: recorded(path))
     with gateway_over({"remote": upstream}, tmp_path) as gw:
-        gw.gateway.router.by_name["remote"].config.extra_fields = ["chat_template_kwargs"]
+        gw.gateway.fleet["remote"].backend.config.extra_fields = ["chat_template_kwargs"]
         chat = {"model": "remote", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
         swapped = httpx.post(f"{gw.url}/v1/chat/completions", headers=AUTH, json=chat | {
             "chat_template_kwargs": {"chat_template": "{{ raise_exception('mine') }}"}})

@@ -18,9 +18,11 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 
 from backends.builtin import BuiltinBackend, EngineConfig
 from gateway.db import make_engine
-from gateway.keys import hash_key, key_prefix
+from gateway.tenancy.keys import hash_key, key_prefix
 
 from .conftest import ADMIN_KEY, AUTH, away_from_minute_edge, bearer, gateway_app, serve_app, usage_records, wait_ready
+
+pytestmark = pytest.mark.slow
 
 PROMPT = "Count with me:"
 

@@ -1,7 +1,11 @@
-"""Block pool bookkeeping, without a model."""
+"""Block pool bookkeeping, without a model; and the int8 KV cache against full precision."""
+
+import torch
 
 from backends.builtin.kv_cache import KVCacheManager
 from backends.builtin.sequence import SamplingParams, Sequence
+
+from .test_kernels import filled_cache
 
 
 def seq(tokens: list[int], cache_salt: str | None = None) -> Sequence:
@@ -105,3 +109,16 @@ def test_fork_shares_blocks_and_copies_partial_block_on_write():
     kv.free(parent)
     kv.free(child)
     assert kv.num_free == 16
+
+
+def test_int8_cache_stays_close_to_full_precision():
+    from backends.builtin.attention import LayerKV
+
+    full, int8 = filled_cache("auto", torch.float32), filled_cache("int8", torch.float32)
+    tables = torch.tensor([[5, 6, 7]])
+    for i in (0, 1):
+        exact, approx = full.gathered(i, tables, torch.float32), int8.gathered(i, tables, torch.float32)
+        bound = exact.abs().amax(dim=-1, keepdim=True) / 127 / 2 + 1e-6  # half a quantization step
+        assert ((exact - approx).abs() <= bound).all()
+    assert int8.nbytes < full.nbytes / 3.5  # 1 byte + a 4-byte scale per 64 values, against 4 bytes
+    assert isinstance(int8, LayerKV)

@@ -9,7 +9,7 @@ import sys
 import httpx
 import pytest
 
-from advisor.bench.baselines import free_port
+from advisor.measure.baselines import free_port
 from backends.builtin.loader import default_model_path
 from backends.launch import LaunchError, LaunchSpec, command
 from backends.llamacpp import LlamaCppServerBackend, llama_server_config
@@ -61,6 +61,7 @@ def test_one_spec_becomes_each_runtimes_flags():
         argv(runtime="llama-cpp-python", max_running_requests=4)
 
 
+@pytest.mark.slow
 def test_launched_llama_cpp_python_is_served_through_the_gateway(tmp_path):
     port = free_port()
     upstream = f"http://127.0.0.1:{port}"
@@ -84,6 +85,7 @@ def test_launched_llama_cpp_python_is_served_through_the_gateway(tmp_path):
         httpx.get(f"{upstream}/v1/models", timeout=2)
 
 
+@pytest.mark.slow
 def test_a_runtime_that_does_not_start_is_an_error_that_quotes_it(tmp_path):
     missing = tmp_path / "missing.gguf"
     done = subprocess.run([sys.executable, "-m", "gateway", "launch", "llama-cpp-python", "--model", str(missing),

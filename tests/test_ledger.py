@@ -15,10 +15,10 @@ import httpx
 import pytest
 from sqlmodel import Session, select
 
-from advisor.bench.baselines import free_port, servegate_command
+from advisor.measure.baselines import free_port, servegate_command
 from gateway.db import make_engine, upgrade
-from gateway.ledger import UsageLedger
-from gateway.models import UsageRecord
+from gateway.tables import UsageRecord
+from gateway.tenancy.ledger import UsageLedger
 
 from .conftest import ADMIN_KEY, wait_ready
 

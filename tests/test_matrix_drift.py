@@ -10,7 +10,7 @@ import pytest
 
 from advisor.advise import Workload, advise
 from advisor.hardware import resolve as hardware
-from advisor.models import resolve
+from advisor.model_facts import resolve
 from policies.drift import DERIVED, ProbeError, derive, drift, load_derived, run_probe
 from policies.matrix import HARDWARE_FAMILIES, Cell, Probe, matrices
 
@@ -171,6 +171,7 @@ def test_the_matrices_are_at_the_current_releases():
     assert m["vllm"].weight_quant["gguf"].status == "no"  # neither a load format nor a method in 0.34.0
 
 
+@pytest.mark.slow
 def test_gguf_type_names_and_framework_dtypes_are_one_vocabulary():
     """A GGUF F16 file is fp16 weights: llama.cpp on a Mac loads it as it loads fp16."""
     mac, model = hardware("m3-max"), resolve("Qwen/Qwen2.5-7B-Instruct")

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 from backends.openai_compat import OpenAICompatConfig
 from backends.tgi import TGIBackend
 from gateway.cli import app
-from gateway.migration import MigrationError, TGIDeployment, plan
-from gateway.routes import RouteSpec
+from gateway.rollout.route_versions import RouteSpec
+from gateway.rollout.tgi_migration import MigrationError, TGIDeployment, plan
 
 from .conftest import ADMIN_KEY, AUTH, gateway_app, serve_app
 from .test_routes import admin, backend, upstream

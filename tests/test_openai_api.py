@@ -14,10 +14,12 @@ import openai
 import pytest
 import torch
 
-from advisor.bench.baselines import servegate_env
+from advisor.measure.baselines import servegate_env
 from backends.builtin import BuiltinBackend, EngineConfig
 
 from .conftest import ADMIN_KEY, AUTH, free_port, gateway_app, serve_app, wait_ready
+
+pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from advisor.bench import stub
+from advisor.measure import stub
 from backends.base import (
     ContextTooLong,
     Delta,
@@ -66,6 +66,7 @@ def gateway(tmp_path_factory):
             yield url
 
 
+@pytest.mark.slow
 def test_streaming_and_not_through_the_adapter(gateway):
     client = openai.OpenAI(base_url=f"{gateway}/v1", api_key=ADMIN_KEY, max_retries=0)
     want = "".join(f" tok{i}" for i in range(stub.CHUNKS))
@@ -79,6 +80,7 @@ def test_streaming_and_not_through_the_adapter(gateway):
     assert quirky.choices[0].message.content == want  # `data:` framing, no [DONE]
 
 
+@pytest.mark.slow
 def test_tool_calls_and_logprobs_pass_through(gateway):
     client = openai.OpenAI(base_url=f"{gateway}/v1", api_key=ADMIN_KEY, max_retries=0)
     ask = {"model": "tools", "messages": [{"role": "user", "content": "Weather in Paris?"}], "logprobs": True,
@@ -94,6 +96,7 @@ def test_tool_calls_and_logprobs_pass_through(gateway):
     assert "".join(pieces) == '{"city": "Paris"}' and streamed[-1].choices[0].finish_reason == "tool_calls"
 
 
+@pytest.mark.slow
 def test_upstream_failures_map_to_clear_errors(gateway):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     gone = httpx.post(f"{gateway}/v1/chat/completions", headers=AUTH, json=body | {"model": "gone"})
@@ -115,6 +118,7 @@ def test_error_statuses_map_to_the_taxonomy():
     assert isinstance(error_from_status(500, b"oops"), UpstreamError)
 
 
+@pytest.mark.slow
 def test_runtime_profiles_read_health_and_version_from_their_own_routes():
     from backends.base import Health
     from backends.profiles import ProfileBackend
@@ -143,6 +147,7 @@ def test_runtime_profiles_read_health_and_version_from_their_own_routes():
     assert health == Health.READY and (caps.runtime, caps.version) == ("ollama", "0.12.3")
 
 
+@pytest.mark.slow
 def test_a_pooled_connection_the_server_dropped_is_retried_on_a_fresh_one():
     """The server answers one request per connection and drops the connection when a second
     request comes on it, as servers that close idle or failed keep-alive connections do."""
@@ -183,6 +188,7 @@ def test_a_pooled_connection_the_server_dropped_is_retried_on_a_fresh_one():
     assert texts == ["".join(f" tok{i}" for i in range(stub.CHUNKS))] * 3 and len(served) == 3
 
 
+@pytest.mark.slow
 def test_llama_server_load_comes_from_its_metrics():
     from backends.llamacpp import LlamaCppServerBackend, llama_server_config
 

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from advisor.hardware import resolve as hardware
-from advisor.models import resolve as model
+from advisor.model_facts import resolve as model
 from advisor.perf.calibration import points, sources
 from advisor.perf.deployment import Deployment, divides
 from advisor.perf.efficiency import Efficiency, fitted
@@ -125,6 +125,7 @@ def test_slos_parse_or_say_how_to_write_them():
             parse_slos(bad)
 
 
+@pytest.mark.slow
 def test_search_70b_on_two_h100_nodes_is_fast_and_its_frontier_is_not_dominated():
     started = time.perf_counter()
     result = search(model("meta-llama/Llama-3.1-70B-Instruct"), Pool(hardware("h100-sxm"), 8, 2, 2.5), 2048, 256,
@@ -164,6 +165,7 @@ def test_calibration_set_is_sourced_and_spread():
     assert regimes >= {"prefill-heavy", "decode-heavy", "moe", "fp8", "fp4", "multi-node", "apple", "latency"}
 
 
+@pytest.mark.slow
 def test_search_command_writes_the_frontier_as_html(tmp_path):
     out = tmp_path / "search.html"
     result = CliRunner().invoke(app, ["advise", "--search", "--model", LLAMA8, "--hardware", "l4", "--slo",

@@ -15,11 +15,11 @@ from sqlmodel import Session, select
 
 from backends.builtin import BuiltinBackend, EngineConfig
 from gateway.db import check_migrated, make_engine
-from gateway.models import UsageRecord
+from gateway.tables import UsageRecord
 
 from .conftest import AUTH, POSTGRES_URL, gateway_app, needs_postgres, serve_app, wait_ready
 
-pytestmark = needs_postgres
+pytestmark = [needs_postgres, pytest.mark.slow]
 
 
 @pytest.fixture

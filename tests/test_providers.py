@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from advisor.bench import stub
+from advisor.measure import stub
 from backends.base import (
     ContextTooLong,
     InvalidRequest,
@@ -20,6 +20,8 @@ from backends.base import (
 from backends.providers import ProviderBackend, ProviderConfig
 
 from .conftest import ADMIN_KEY, AUTH, free_port, gateway_app, generated, serve_app, usage_records, wait_ready
+
+pytestmark = pytest.mark.slow
 
 ERRORS = {  # prompt -> (status, message)
     "too long": (400, "This model's maximum context length is 4096 tokens. However, you requested 9000 tokens."),

@@ -13,10 +13,10 @@ import pytest
 import pytest_asyncio
 from sqlmodel import Session
 
-from advisor.bench.baselines import free_port, servegate_command, server_process
+from advisor.measure.baselines import free_port, servegate_command, server_process
 from gateway.db import make_engine, upgrade
-from gateway.quotas import MemoryQuotaStore, QuotaExceeded, QuotaLimits, RedisQuotaStore, Scope
-from gateway.tenancy import KeyIn, TenantIn, bootstrap, create_key, create_tenant
+from gateway.tenancy.quotas import MemoryQuotaStore, QuotaExceeded, QuotaLimits, RedisQuotaStore, Scope
+from gateway.tenancy.tenants import KeyIn, TenantIn, bootstrap, create_key, create_tenant
 
 from .conftest import ADMIN_KEY, AUTH, REDIS_URL, away_from_minute_edge, needs_redis, serve_app
 

@@ -14,12 +14,13 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from advisor.bench import stub
+from advisor.measure import stub
 from backends.base import Capabilities, InvalidRequest, Load
 from backends.openai_compat import OpenAICompatBackend, OpenAICompatConfig
-from gateway.admission import Admission
-from gateway.routes import PrefixAware, RouteOut, RouteSpec, RouteState, Target
-from gateway.routing import Breaker, ModelRouter, PrefixIndex, RequestFacts
+from gateway.inference.admission import Admission
+from gateway.inference.fleet import Breaker, Fleet
+from gateway.inference.routing import PrefixIndex, RequestFacts, Router
+from gateway.rollout.route_versions import PrefixAware, RouteOut, RouteSpec, RouteState, Target
 
 from .conftest import AUTH, free_port, gateway_app, openai_upstream, serve_app
 
@@ -33,13 +34,13 @@ def version(number: int, status: str = "active", share: float | None = None, **s
                     created_at="2026-01-01T00:00:00Z")
 
 
-def router_with(*names: str, seed: int = 7, **spec) -> ModelRouter:
-    router = ModelRouter({n: backend(n) for n in names}, seed=seed)
+def router_with(*names: str, seed: int = 7, **spec) -> Router:
+    router = Router(Fleet({n: backend(n) for n in names}), seed=seed)
     router.set_routes({"chat": RouteState(alias="chat", active=version(1, **spec), canary=None)})
     return router
 
 
-def picks(router: ModelRouter, count: int = 400, prompt: str = "") -> list[str]:
+def picks(router: Router, count: int = 400, prompt: str = "") -> list[str]:
     return [router.resolve("chat", ["chat"], RequestFacts(prompt=prompt)).candidates[0].name for _ in range(count)]
 
 
@@ -56,7 +57,7 @@ def test_weighted_choice_follows_weights_and_is_reproducible_under_a_seed():
 
 
 def test_the_canary_gets_its_share():
-    router = ModelRouter({n: backend(n) for n in ("old", "new")}, seed=1)
+    router = Router(Fleet({n: backend(n) for n in ("old", "new")}), seed=1)
     router.set_routes({"chat": RouteState(
         alias="chat", active=version(1, targets=[Target(backend="old")]),
         canary=version(2, status="canary", share=0.2, targets=[Target(backend="new")]))})
@@ -68,7 +69,7 @@ def test_the_canary_gets_its_share():
 
 def test_a_failing_target_is_skipped_while_its_breaker_is_open_then_probed():
     router = router_with("a", "b", targets=[Target(backend="a", weight=100), Target(backend="b", weight=1)])
-    breaker = router.breakers["a"] = Breaker(threshold=3, cooldown_s=0.2)
+    breaker = router.fleet["a"].breaker = Breaker(threshold=3, cooldown_s=0.2)
     for _ in range(3):
         breaker.record(False, time.monotonic())
     decision = router.resolve("chat", ["chat"])
@@ -87,21 +88,22 @@ def test_a_failing_target_is_skipped_while_its_breaker_is_open_then_probed():
 
 def test_a_target_whose_health_check_fails_is_skipped_until_it_recovers():
     router = router_with("a", "b", targets=[Target(backend="a", weight=100), Target(backend="b", weight=1)])
-    router.down.add("a")
+    router.fleet["a"].down = True
     assert set(picks(router, 20)) == {"b"}
-    router.down.discard("a")
+    router.fleet["a"].down = False
     assert "a" in set(picks(router, 20))
 
 
 def test_least_loaded_picks_the_shortest_queue():
     router = router_with("a", "b", targets=[Target(backend="a"), Target(backend="b")], balance="least-loaded")
-    router.loads = {"a": Load(running=4, waiting=6), "b": Load(running=2, waiting=0)}
+    a, b = router.fleet["a"], router.fleet["b"]
+    a.load, b.load = Load(running=4, waiting=6), Load(running=2, waiting=0)
     assert set(picks(router, 20)) == {"b"}
-    router.admission = {"b": Admission(max_in_flight=1, max_queued=100, timeout_s=1)}
-    router.admission["b"].queued = 50  # this replica's own queue counts too
+    b.admission = Admission(max_in_flight=1, max_queued=100, timeout_s=1)
+    b.admission.queued = 50  # this replica's own queue counts too
     assert set(picks(router, 20)) == {"a"}
-    router.admission = {}
-    router.loads = {"a": Load(running=1, kv_usage=0.9), "b": Load(running=1, kv_usage=0.2)}
+    b.admission.queued = 0
+    a.load, b.load = Load(running=1, kv_usage=0.9), Load(running=1, kv_usage=0.2)
     assert set(picks(router, 20)) == {"b"}  # equal queues: the emptier KV cache
 
 
@@ -117,7 +119,7 @@ def test_prefix_aware_keeps_a_shared_prefix_together_unless_its_owner_is_overloa
     assert decision.reason.startswith("prefix (4 blocks cached)")
     others = {picks(router, 1, f"{i:02d} unrelated prompt number {i}")[0] for i in range(30)}
     assert others == {"a", "b"}  # new prefixes spread by weight
-    router.loads = {first: Load(running=5, waiting=0)}
+    router.fleet[first].load = Load(running=5, waiting=0)
     moved = router.resolve("chat", ["chat"], RequestFacts(prompt=shared + "q6"))
     assert "overloaded" in moved.reason and moved.candidates[0].name != first
 
@@ -126,9 +128,10 @@ def test_routing_rules_exclude_and_rank_targets_and_say_why():
     spec = {"targets": [Target(backend="small", pool="latency"), Target(backend="big", pool="throughput")],
             "fallbacks": ["small"], "rules": "routing"}
     router = router_with("small", "big", **spec)
-    router.capabilities = {
-        "small": Capabilities(runtime="vllm", version="", model="m", max_context=4096, prefix_caching=True),
-        "big": Capabilities(runtime="sglang", version="", model="m", max_context=32768, prefix_caching=True)}
+    router.fleet["small"].capabilities = Capabilities(runtime="vllm", version="", model="m", max_context=4096,
+                                                     prefix_caching=True)
+    router.fleet["big"].capabilities = Capabilities(runtime="sglang", version="", model="m", max_context=32768,
+                                                   prefix_caching=True)
 
     def route(**facts) -> tuple[list[str], str]:
         decision = router.resolve("chat", ["chat"], RequestFacts(**facts))
@@ -148,9 +151,10 @@ def test_a_long_shared_prefix_goes_to_the_target_with_prefix_caching():
     spec = {"targets": [Target(backend="cold"), Target(backend="warm")], "rules": "routing",
             "prefix_aware": PrefixAware(block_chars=64, blocks=4)}
     router = router_with("cold", "warm", **spec)
-    router.capabilities = {
-        "cold": Capabilities(runtime="tgi", version="", model="m", max_context=32768, prefix_caching=False),
-        "warm": Capabilities(runtime="vllm", version="", model="m", max_context=32768, prefix_caching=True)}
+    router.fleet["cold"].capabilities = Capabilities(runtime="tgi", version="", model="m", max_context=32768,
+                                                    prefix_caching=False)
+    router.fleet["warm"].capabilities = Capabilities(runtime="vllm", version="", model="m", max_context=32768,
+                                                    prefix_caching=True)
     system = "You answer questions about the attached contract. " * 50  # ~2,500 characters
     router.prefixes.remember(PrefixIndex.chain(system, spec["prefix_aware"]), "cold")  # seen before
     decision = router.resolve("chat", ["chat"], RequestFacts(prompt=system + "Who signs?", max_tokens=64))
@@ -209,6 +213,7 @@ def admin(url: str, method: str, path: str, **kwargs) -> httpx.Response:
     return httpx.request(method, f"{url}/admin{path}", headers=AUTH, timeout=30, **kwargs)
 
 
+@pytest.mark.slow
 def test_routes_through_the_admin_api_fall_back_before_the_first_token_and_name_the_decision(gateway):
     url, _ = gateway
     bad = admin(url, "POST", "/routes/chat/deploy", json={"spec": {"targets": [{"backend": "nope"}]}})
@@ -241,6 +246,7 @@ def test_routes_through_the_admin_api_fall_back_before_the_first_token_and_name_
         assert action in actions
 
 
+@pytest.mark.slow
 def test_a_failure_after_the_first_token_is_an_error_event_not_a_fallback(gateway):
     url, _ = gateway
     admin(url, "POST", "/routes/chat/deploy", json={"spec": {"targets": [{"backend": "dies"}], "fallbacks": ["a"]}})
@@ -252,6 +258,7 @@ def test_a_failure_after_the_first_token_is_an_error_event_not_a_fallback(gatewa
     assert '"finish_reason":"stop"' not in body.replace(" ", "")
 
 
+@pytest.mark.slow
 def test_cli_rollback_reaches_the_gateway_within_the_refresh_and_spares_requests_in_flight(gateway, monkeypatch):
     from gateway.cli import app
 
@@ -300,6 +307,7 @@ def test_cli_rollback_reaches_the_gateway_within_the_refresh_and_spares_requests
     assert "route.promote" in table and "b:1" in table
 
 
+@pytest.mark.slow
 def test_shadow_traffic_is_mirrored_compared_and_never_returned(gateway, monkeypatch):
     from gateway.cli import app
 
@@ -330,6 +338,7 @@ def test_shadow_traffic_is_mirrored_compared_and_never_returned(gateway, monkeyp
     assert [r["requests"] for r in cli] == [6, 3]
 
 
+@pytest.mark.slow
 def test_routing_rules_reason_reaches_the_response_header(gateway):
     url, _ = gateway
     spec = {"targets": [{"backend": "a", "pool": "latency"}, {"backend": "mirror", "pool": "throughput"}],
@@ -349,6 +358,6 @@ def test_two_backends_under_one_name_are_refused():
     """Routes, breakers and admission queues go by backend name: two backends sharing one would
     silently share them."""
     with pytest.raises(ValueError, match=r"distinct names: \['same'\]"):
-        ModelRouter({"model-a": backend("same"), "model-b": backend("same")})
+        Fleet({"model-a": backend("same"), "model-b": backend("same")})
     shared = backend("one")
-    assert set(ModelRouter({"alias-a": shared, "alias-b": shared}).by_name) == {"one"}  # one backend, two names
+    assert set(Fleet({"alias-a": shared, "alias-b": shared}).members) == {"one"}  # one backend, two names

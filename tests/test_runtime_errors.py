@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from advisor.bench.baselines import free_port, llama_cpp_command, server_process
+from advisor.measure.baselines import free_port, llama_cpp_command, server_process
 from backends.base import ContextTooLong, GenerateRequest, Health, InvalidRequest, Usage
 from backends.builtin.loader import default_model_path
 from backends.llamacpp import LlamaCppServerBackend, llama_server_config
@@ -22,6 +22,8 @@ from backends.vllm import VLLMBackend
 
 from .conftest import generated, serve_app
 from .replay import replay
+
+pytestmark = pytest.mark.slow
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -113,7 +115,6 @@ def test_gauges_of_several_engines_average_and_counts_add_up():
     assert (load.running, load.kv_usage, load.prefix_hit_rate) == (5, 0.625, 0.4)
 
 
-@pytest.mark.slow
 def test_llama_cpp_python_server_counts_prompts_and_says_too_long_without_max_context():
     port = free_port()
     url = f"http://127.0.0.1:{port}"

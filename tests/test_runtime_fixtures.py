@@ -22,6 +22,8 @@ from backends.vllm import VLLMBackend
 from .conftest import generated, serve_app
 from .replay import replay
 
+pytestmark = pytest.mark.slow
+
 FIXTURES = Path(__file__).parent / "fixtures"
 ADAPTERS = {"vllm": VLLMBackend, "sglang": SGLangBackend}
 

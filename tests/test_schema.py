@@ -18,9 +18,11 @@ from schemathesis.specs.openapi.checks import response_schema_conformance
 from sqlmodel import Session
 
 from backends.builtin import BuiltinBackend, EngineConfig
-from gateway.tenancy import TenantPatch, update_tenant
+from gateway.tenancy.tenants import TenantPatch, update_tenant
 
 from .conftest import AUTH, gateway_app, serve_app, wait_ready
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

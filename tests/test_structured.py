@@ -63,6 +63,7 @@ class Person(BaseModel):
     address: Address
 
 
+@pytest.mark.slow
 def test_sdk_parse_returns_an_object_streaming_and_not(client):
     messages = ask("Describe a person who lives in Paris.", Person.model_json_schema())
     parsed = client.chat.completions.parse(model=MODEL, messages=messages, response_format=Person, temperature=0,
@@ -76,6 +77,7 @@ def test_sdk_parse_returns_an_object_streaming_and_not(client):
     assert final.choices[0].message.parsed == person  # the same greedy answer, assembled from chunks
 
 
+@pytest.mark.slow
 def test_every_output_matches_its_schema(base_url):
     """54 schemas of varied shape, sent at once so that they share batches: 100% finish and validate."""
 
@@ -100,6 +102,7 @@ def test_every_output_matches_its_schema(base_url):
     assert not invalid, invalid
 
 
+@pytest.mark.slow
 def test_regex_choice_grammar_and_every_spelling(client):
     def content(**fields) -> str:
         answer = client.chat.completions.create(model=MODEL, messages=ask("Give a phone number."), temperature=0,
@@ -117,6 +120,7 @@ def test_regex_choice_grammar_and_every_spelling(client):
     assert 0 <= json.loads(content(guided_json=number))["n"] <= 99
 
 
+@pytest.mark.slow
 def test_constrained_and_free_requests_share_a_batch(base_url):
     """A free request answers the same whether constrained ones run beside it or not."""
     body = {"model": MODEL, "messages": ask("Name three fruits."), "temperature": 0, "max_tokens": 24}
@@ -135,6 +139,7 @@ def test_constrained_and_free_requests_share_a_batch(base_url):
     assert all(isinstance(json.loads(o["choices"][0]["message"]["content"]), dict) for o in others)
 
 
+@pytest.mark.slow
 def test_logprobs_are_the_models_own(client, hf_model, default_model):
     """Top-1 logprob tokens are the greedy tokens, and each value is transformers' log-softmax."""
     messages = [{"role": "user", "content": "What is the capital of France?"}]
@@ -170,6 +175,7 @@ def test_logprobs_are_the_models_own(client, hf_model, default_model):
     assert echoed.usage.completion_tokens == 5
 
 
+@pytest.mark.slow
 def test_sampling_knobs_do_what_they_say(client, default_model):
     messages = [{"role": "user", "content": "Say hello."}]
     nine = default_model.tokenizer.convert_tokens_to_ids("9")
@@ -189,6 +195,7 @@ def test_sampling_knobs_do_what_they_say(client, default_model):
     assert seeded[0] == seeded[1] != create(temperature=1.0, seed=12).choices[0].message.content
 
 
+@pytest.mark.slow
 def test_bad_inputs_are_400s_naming_the_field(base_url):
     def refused(path: str, **fields) -> dict:
         body = {"model": MODEL, "max_tokens": 4, **fields}
@@ -271,6 +278,7 @@ QUESTIONS = ["What's the weather like in {}?", "What time is it in {}?", "How mu
 CITIES = ["Paris", "Oslo", "Tokyo", "Berlin", "Lima", "Cairo"]
 
 
+@pytest.mark.slow
 def test_tool_conversations_through_the_sdk(base_url):
     """36 conversations, streamed and not, tool_choice required or named for the call, auto for the
     answer: every call's arguments validate against its function's schema, and the model answers
@@ -345,6 +353,7 @@ def test_the_parser_holds_back_a_call_split_across_pieces():
         (0, "get_time", {"tz": "Europe/Paris"})]
 
 
+@pytest.mark.slow
 def test_bad_tool_requests_are_400s_naming_the_field(base_url):
     def refused(**fields) -> dict:
         body = {"model": MODEL, "messages": ask("hi"), "max_tokens": 4, **fields}

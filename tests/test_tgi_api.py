@@ -18,6 +18,8 @@ from backends.builtin import BuiltinBackend, EngineConfig
 
 from .conftest import ADMIN_KEY, AUTH, away_from_minute_edge, gateway_app, serve_app, wait_ready
 
+pytestmark = pytest.mark.slow
+
 PROMPT = "The weather today is"
 
 

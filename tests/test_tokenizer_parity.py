@@ -15,6 +15,8 @@ from backends.builtin.loader import default_model_path, load_tokenizer
 
 from .conftest import provisioned_or_skip
 
+pytestmark = pytest.mark.slow
+
 CODE = [
     "def f(x):\n    return x ** 2  # square\n", "for (int i = 0; i < n; ++i) { sum += a[i]; }",
     "const add = (a, b) => a + b;\nexport default add;", "#include <stdio.h>\nint main(void) { return 0; }",

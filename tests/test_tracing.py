@@ -9,10 +9,12 @@ import httpx
 import openai
 import pytest
 
-from advisor.bench import stub
+from advisor.measure import stub
 from backends.openai_compat import OpenAICompatBackend, OpenAICompatConfig
 
 from .conftest import ADMIN_KEY, AUTH, gateway_app, serve_app
+
+pytestmark = pytest.mark.slow
 
 STEPS = ["gateway.auth", "gateway.route", "gateway.quota", "chat m", "gateway.settle"]
 
@@ -108,7 +110,7 @@ def test_a_callers_trace_is_continued_and_refusals_are_traced(traced):
 
 
 def test_tracing_is_off_by_default(tmp_path):
-    from gateway.tracing import TraceRequests
+    from gateway.operations.tracing import TraceRequests
 
     seen: list[dict] = []
     with serve_app(recording_upstream(seen)) as upstream:

@@ -9,9 +9,12 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 
 from backends.base import Delta, Finish, GenerateRequest
 from backends.builtin import BuiltinBackend, EngineConfig
+
+pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 32
 TOPICS = ["the sea", "gravity", "a city at night", "prime numbers", "bread"]
@@ -44,9 +47,9 @@ async def vllm_answer(client: httpx.AsyncClient, request: dict) -> tuple[str, in
 
 
 async def engine_answer(backend: BuiltinBackend, request: dict, number: int) -> tuple[str, int]:
-    greq = GenerateRequest(request_id=f"parity-{number}", temperature=0.0, max_tokens=MAX_TOKENS, **request)
+    request = GenerateRequest(request_id=f"parity-{number}", temperature=0.0, max_tokens=MAX_TOKENS, **request)
     text, tokens = [], 0
-    async for event in backend.generate(greq):
+    async for event in backend.generate(request):
         if isinstance(event, Delta):
             text.append(event.text)
         elif isinstance(event, Finish):

@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from ..hardware import resolve as resolve_hardware
-from ..models import resolve as resolve_model
+from ..model_facts import resolve as resolve_model
 from .deployment import Deployment
 from .efficiency import Efficiency
 from .predict import Figures, predict
@@ -208,21 +208,14 @@ class CalibrationReport:
                 "held_out": [{"id": p["id"], "why": p["held_out"]} for p in self.held_out]}
 
 
-def calibrate(eff: Efficiency, leave_out: bool = True) -> CalibrationReport:
-    """Every point's estimate; with `leave_out`, each source's points estimated again by a fit
-    made without that source (started from `eff`)."""
-    from .fit import fit
-
+def calibrate(eff: Efficiency, left_out: dict[str, float | None] | None = None) -> CalibrationReport:
+    """Every point's estimate by `eff`; with `left_out` (`fit.left_out`: each point's estimate by a
+    fit made without its source), those beside them."""
     chosen = points()
     rows = evaluate(eff, chosen)
-    if leave_out:
-        by_id = {r.point.id: r for r in rows}
-        for source in sorted({p.source for p in chosen}):
-            rest = tuple(p for p in chosen if p.source != source)
-            without = fit(rest, eff, rounds=2, step=1.25)
-            for p in chosen:
-                if p.source == source:
-                    by_id[p.id].held_out_estimate = p.estimate(without)
+    leave_out = left_out is not None
+    for row in rows if leave_out else ():
+        row.held_out_estimate = left_out[row.point.id]
     regimes = {}
     for regime in REGIMES:
         members = [r for r in rows if regime in r.point.regimes]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..hardware import resolve as hardware
-from ..models import resolve as model
+from ..model_facts import resolve as model
 from . import frontier
 from .search import Pool, parse_slos, search
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..hardware import Hardware
-from ..models import ModelSpec
+from ..model_facts import ModelSpec
 
 # Across nodes each GPU has its own NIC: 400 Gb/s InfiniBand NDR or RoCE (a DGX H100/H200 node's
 # eight ConnectX-7), 50 GB/s per direction; the collective's fixed cost is larger than NVLink's.

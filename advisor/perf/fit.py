@@ -101,3 +101,12 @@ def _moves(value: float, step: float, low: float, high: float) -> list[float]:
     """Up and down by the step: multiplicative, or additive for a value at zero."""
     moves = [value * step, value / step] if value > 0 else [high * (step - 1) / 4]
     return [min(high, max(low, m)) for m in moves if min(high, max(low, m)) != value]
+
+
+def left_out(chosen: tuple[Point, ...], start: Efficiency) -> dict[str, float | None]:
+    """Each point's estimate by a fit (started from `start`) made without the points of its source."""
+    estimates = {}
+    for source in sorted({p.source for p in chosen}):
+        without = fit(tuple(p for p in chosen if p.source != source), start, rounds=2, step=1.25)
+        estimates |= {p.id: p.estimate(without) for p in chosen if p.source == source}
+    return estimates

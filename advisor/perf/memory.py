@@ -7,7 +7,7 @@ from __future__ import annotations
 from policies.matrix import matrices
 
 from ..capacity import memory_plan, reserved_bytes
-from ..models import ModelSpec
+from ..model_facts import ModelSpec
 from .deployment import Deployment
 from .schedulers import Scheduler, scheduler
 from .steps import StepCost

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..models import ModelSpec
+from ..model_facts import ModelSpec
 from .deployment import Deployment
 from .efficiency import Efficiency, fitted
 from .memory import kv_tokens

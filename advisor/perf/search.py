@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from ..hardware import Hardware
-from ..models import ModelSpec
+from ..model_facts import ModelSpec
 from .deployment import Deployment, divides
 from .efficiency import Efficiency, fitted
 from .predict import Figures, predict

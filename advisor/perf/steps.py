@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..capacity import bits_per_weight, kv_bytes_per_token
-from ..models import EXPERTS_ONLY_FORMATS, ModelSpec
+from ..model_facts import EXPERTS_ONLY_FORMATS, ModelSpec
 from .deployment import Deployment
 from .efficiency import Efficiency, device_class
 

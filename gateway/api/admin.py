@@ -17,14 +17,15 @@ from fastapi.responses import Response
 from pydantic import AfterValidator
 from sqlmodel import Session, col, select
 
-from .. import routes, shadow, tenancy
-from ..auth import Principal
-from ..canary import verdict
-from ..deps import AdminPrincipal, GatewayDep, OperatorPrincipal
-from ..errors import GatewayError
-from ..models import AuditLog, in_utc, utcnow
-from ..service import Gateway
-from ..tenancy import KeyCreated, KeyIn, KeyOut, TenantIn, TenantOut, TenantPatch, UsageReport
+from gateway.api.deps import AdminPrincipal, GatewayDep, OperatorPrincipal
+from gateway.errors import GatewayError
+from gateway.rollout import route_versions, shadow
+from gateway.rollout.canary import verdict
+from gateway.service import Gateway
+from gateway.tables import AuditLog, in_utc, utcnow
+from gateway.tenancy import tenants
+from gateway.tenancy.auth import Principal
+from gateway.tenancy.tenants import KeyCreated, KeyIn, KeyOut, TenantIn, TenantOut, TenantPatch, UsageReport
 
 
 def _no_store(response: Response) -> None:
@@ -57,7 +58,7 @@ def _own(admin: Principal, tenant: str | None) -> str | None:
     """The tenant a request may look at (None: all); another's name is not found."""
     mine = _reach(admin)
     if mine is not None and tenant not in (None, mine):
-        raise tenancy.NotFound(f"no tenant named {tenant!r}")
+        raise tenants.NotFound(f"no tenant named {tenant!r}")
     return tenant if mine is None else mine
 
 
@@ -71,12 +72,12 @@ def me(admin: AdminPrincipal) -> dict[str, Any]:
 @router.get("/tenants", response_model=list[TenantOut])
 def list_tenants(admin: AdminPrincipal, session: SessionDep):
     mine = _reach(admin)
-    return [t for t in tenancy.list_tenants(session) if mine is None or t.name == mine]
+    return [t for t in tenants.list_tenants(session) if mine is None or t.name == mine]
 
 
 @router.post("/tenants", response_model=TenantOut, status_code=201)
 def create_tenant(body: TenantIn, admin: OperatorPrincipal, session: SessionDep, gateway: GatewayDep):
-    tenant = tenancy.create_tenant(session, admin.subject, body)
+    tenant = tenants.create_tenant(session, admin.subject, body)
     _changed(gateway)
     return tenant
 
@@ -84,39 +85,39 @@ def create_tenant(body: TenantIn, admin: OperatorPrincipal, session: SessionDep,
 @router.get("/tenants/{name}", response_model=TenantOut)
 def get_tenant(name: str, admin: AdminPrincipal, session: SessionDep):
     _own(admin, name)
-    return TenantOut.model_validate(tenancy.get_tenant(session, name), from_attributes=True)
+    return TenantOut.model_validate(tenants.get_tenant(session, name), from_attributes=True)
 
 
 @router.patch("/tenants/{name}", response_model=TenantOut)
 def update_tenant(name: str, body: TenantPatch, admin: OperatorPrincipal, session: SessionDep, gateway: GatewayDep):
-    tenant = tenancy.update_tenant(session, admin.subject, name, body)
+    tenant = tenants.update_tenant(session, admin.subject, name, body)
     _changed(gateway)
     return tenant
 
 
 @router.get("/keys", response_model=list[KeyOut])
 def list_keys(admin: AdminPrincipal, session: SessionDep, tenant: str | None = None):
-    return tenancy.list_keys(session, _own(admin, tenant))
+    return tenants.list_keys(session, _own(admin, tenant))
 
 
 @router.post("/keys", response_model=KeyCreated, status_code=201)
 def create_key(body: KeyIn, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep):
     _own(admin, body.tenant)
-    key = tenancy.create_key(session, admin.subject, body, operator=admin.operator)
+    key = tenants.create_key(session, admin.subject, body, operator=admin.operator)
     _changed(gateway)
     return key
 
 
 @router.post("/keys/{prefix}/revoke", response_model=KeyOut)
 def revoke_key(prefix: str, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep):
-    key = tenancy.revoke_key(session, admin.subject, prefix, _reach(admin))
+    key = tenants.revoke_key(session, admin.subject, prefix, _reach(admin))
     _changed(gateway)
     return key
 
 
 @router.post("/keys/{prefix}/rotate", response_model=KeyCreated)
 def rotate_key(prefix: str, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep):
-    key = tenancy.rotate_key(session, admin.subject, prefix, _reach(admin))
+    key = tenants.rotate_key(session, admin.subject, prefix, _reach(admin))
     _changed(gateway)
     return key
 
@@ -124,13 +125,13 @@ def rotate_key(prefix: str, admin: AdminPrincipal, session: SessionDep, gateway:
 @router.get("/usage", response_model=UsageReport)
 def usage(admin: AdminPrincipal, session: SessionDep, tenant: str | None = None, since: Moment | None = None,
           until: Moment | None = None, limit: Annotated[int, Query(ge=1, le=10_000)] = 100):
-    return tenancy.usage_report(session, _own(admin, tenant), since, until, limit)
+    return tenants.usage_report(session, _own(admin, tenant), since, until, limit)
 
 
-@router.get("/usage/series", response_model=tenancy.UsageSeries)
+@router.get("/usage/series", response_model=tenants.UsageSeries)
 def usage_series(admin: AdminPrincipal, session: SessionDep, tenant: str | None = None,
                  since: Moment | None = None, until: Moment | None = None,
-                 bucket: tenancy.Bucket = "hour", by: tenancy.GroupBy = "model"):
+                 bucket: tenants.Bucket = "hour", by: tenants.GroupBy = "model"):
     """Usage over time (default: the last 24 hours), per bucket and per model, key or tenant."""
     until = until or utcnow()
     if since is None:
@@ -138,27 +139,28 @@ def usage_series(admin: AdminPrincipal, session: SessionDep, tenant: str | None 
             raise GatewayError(400, "until is before the first day there can be usage for", "invalid_request_error",
                                param="until")
         since = until - timedelta(days=1)
-    return tenancy.usage_series(session, _own(admin, tenant), since, until, bucket, by)
+    return tenants.usage_series(session, _own(admin, tenant), since, until, bucket, by)
 
 
 @router.get("/usage/series.csv", response_class=Response, responses={
     200: {"description": "One row per bucket and group.", "content": {"text/csv": {"schema": {"type": "string"}}}}})
 def usage_series_csv(admin: AdminPrincipal, session: SessionDep, tenant: str | None = None,
                      since: Moment | None = None, until: Moment | None = None,
-                     bucket: tenancy.Bucket = "hour", by: tenancy.GroupBy = "model"):
+                     bucket: tenants.Bucket = "hour", by: tenants.GroupBy = "model"):
     series = usage_series(admin, session, tenant, since, until, bucket, by)
-    return Response(tenancy.series_csv(series), media_type="text/csv",
+    return Response(tenants.series_csv(series), media_type="text/csv",
                     headers={"Content-Disposition": 'attachment; filename="usage.csv"', "Cache-Control": "no-store"})
 
 
 @router.get("/backends")
 async def backends(_: OperatorPrincipal, gateway: GatewayDep) -> list[dict[str, Any]]:
     """Each backend as this replica sees it: health, live load, its admission queue and breaker."""
-    router, now = gateway.router, time.monotonic()
+    fleet, now = gateway.fleet, time.monotonic()
     out = []
-    for model, backend in router.backends.items():
+    for model, backend in fleet.served.items():
         capabilities, load = await backend.capabilities(), await backend.load()
-        admission, breaker = router.admission[backend.name], router.breakers[backend.name]
+        member = fleet[backend.name]
+        admission, breaker = member.admission, member.breaker
         out.append({"name": backend.name, "model": model, "runtime": capabilities.runtime, "dtype": capabilities.dtype,
                     "health": (await backend.health()).value, "running": load.running, "waiting": load.waiting,
                     "kv_usage": load.kv_usage, "prefix_hit_rate": load.prefix_hit_rate,
@@ -175,35 +177,36 @@ def audit(_: OperatorPrincipal, session: SessionDep,
 
 
 # -- routes: versioned, audited; this replica serves a change at once, the others within the refresh
-@router.get("/routes", response_model=list[routes.RouteState])
+@router.get("/routes", response_model=list[route_versions.RouteState])
 def list_routes(_: OperatorPrincipal, session: SessionDep):
-    return list(routes.table(session).values())
+    return list(route_versions.table(session).values())
 
 
 @router.get("/routes/{alias}")
 def route_history(alias: str, _: OperatorPrincipal, session: SessionDep) -> dict[str, Any]:
-    return routes.history(session, alias)
+    return route_versions.history(session, alias)
 
 
-@router.post("/routes/{alias}/deploy", response_model=routes.RouteOut, status_code=201)
-def deploy_route(alias: str, body: routes.DeployIn, admin: OperatorPrincipal, session: SessionDep,
+@router.post("/routes/{alias}/deploy", response_model=route_versions.RouteOut, status_code=201)
+def deploy_route(alias: str, body: route_versions.DeployIn, admin: OperatorPrincipal, session: SessionDep,
                  gateway: GatewayDep):
-    out = routes.deploy(session, admin.subject, alias, body.spec, body.canary_share, set(gateway.router.by_name))
+    out = route_versions.deploy(session, admin.subject, alias, body.spec, body.canary_share,
+                                set(gateway.fleet.members))
     gateway.load_routes()
     return out
 
 
-@router.post("/routes/{alias}/promote", response_model=routes.RouteOut)
+@router.post("/routes/{alias}/promote", response_model=route_versions.RouteOut)
 def promote_route(alias: str, admin: OperatorPrincipal, session: SessionDep, gateway: GatewayDep):
-    out = routes.promote(session, admin.subject, alias)
+    out = route_versions.promote(session, admin.subject, alias)
     gateway.load_routes()
     return out
 
 
-@router.post("/routes/{alias}/rollback", response_model=routes.RouteOut)
+@router.post("/routes/{alias}/rollback", response_model=route_versions.RouteOut)
 def rollback_route(alias: str, admin: OperatorPrincipal, session: SessionDep, gateway: GatewayDep,
                    to: int | None = None, reason: str = ""):
-    out = routes.rollback(session, admin.subject, alias, to, reason)
+    out = route_versions.rollback(session, admin.subject, alias, to, reason)
     gateway.load_routes()
     return out
 
@@ -214,7 +217,7 @@ def canary_comparison(alias: str, _: OperatorPrincipal, gateway: GatewayDep) -> 
     guard's window, and what the guard would decide now."""
     state = gateway.router.routes.get(alias)
     if state is None or state.canary is None or state.active is None:
-        raise tenancy.NotFound(f"route {alias!r} runs no canary")
+        raise tenants.NotFound(f"route {alias!r} runs no canary")
     guard = gateway.canary
     active, canary = guard.stats(alias, state.active.version), guard.stats(alias, state.canary.version)
     return {"alias": alias, "active": {"version": state.active.version, **dataclasses.asdict(active)},

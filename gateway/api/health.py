@@ -11,8 +11,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from backends.base import Health
-
-from ..deps import GatewayDep
+from gateway.api.deps import GatewayDep
 
 router = APIRouter(tags=["probes"])
 
@@ -24,7 +23,7 @@ async def health() -> dict:
 
 @router.get("/ready")
 async def ready(gateway: GatewayDep) -> JSONResponse:
-    states = {model: (await backend.health()).value for model, backend in gateway.router.backends.items()}
+    states = {model: (await backend.health()).value for model, backend in gateway.fleet.served.items()}
     ok = any(s == Health.READY for s in states.values()) and not gateway.down
     body = {"status": "ready" if ok else "not ready", "models": states}
     if gateway.down:

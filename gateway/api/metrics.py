@@ -13,9 +13,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from backends.base import Load
-
-from ..deps import GatewayDep, credential
-from ..errors import GatewayError
+from gateway.api.deps import GatewayDep, credential
+from gateway.errors import GatewayError
 
 router = APIRouter(tags=["probes"])
 PREFIX = "servegate_backend_"
@@ -62,9 +61,9 @@ async def metrics(request: Request, gateway: GatewayDep) -> Response:
         raise GatewayError(401, "Metrics need the scrape token (SERVEGATE_METRICS_TOKEN) as a bearer token, or a "
                            "loopback client when none is set.", "invalid_request_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
-    for model, admission in gateway.router.admission.items():
-        gateway.metrics.queued.labels(model).set(admission.queued)
-    loads = {model: await backend.load() for model, backend in gateway.router.backends.items()}
+    for name, member in gateway.fleet.members.items():
+        gateway.metrics.queued.labels(name).set(member.admission.queued)
+    loads = {model: await backend.load() for model, backend in gateway.fleet.served.items()}
     backends = CollectorRegistry()
     backends.register(LoadCollector(loads))
     body = generate_latest(gateway.metrics.registry) + generate_latest(backends)

@@ -2,25 +2,24 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from backends.base import BackendError, Delta, Finish, GenerateRequest, InvalidRequest, Usage
-
-from .. import generation, tracing
-from ..auth import Principal
-from ..deps import GatewayDep, InferencePrincipal
-from ..errors import GatewayError
-from ..generation import Collected
-from ..service import Gateway
-from . import MAX_TOKENS, ClientBody, TokenCount
+from backends.base import MAX_TOKEN_ID, BackendError, Delta, Finish, GenerateRequest, InvalidRequest, Usage
+from gateway.api import MAX_TOKENS, ClientBody, TokenCount, client_call
+from gateway.api.client_call import Collected
+from gateway.api.deps import GatewayDep, InferencePrincipal
+from gateway.errors import GatewayError
+from gateway.operations import tracing
+from gateway.service import Gateway
+from gateway.tenancy.auth import Principal
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -42,7 +41,7 @@ class SamplingRequest(ClientBody):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKENS)]] = []
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] = []
     ignore_eos: bool = False
 
     def generate_request(self, model: str, request_id: str, **prompt: Any) -> GenerateRequest:
@@ -76,7 +75,13 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None  # OpenAI's newer name: it wins over max_tokens
+
+    @model_validator(mode="after")
+    def _one_max_tokens(self) -> ChatCompletionRequest:
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
 
 
 class CompletionRequest(SamplingRequest):
@@ -122,7 +127,7 @@ def merge_extras(extras: list[dict]) -> dict:
 
 
 def sse(data: dict | str) -> bytes:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n".encode()
+    return b"data: " + (data.encode() if isinstance(data, str) else msgspec.json.encode(data)) + b"\n\n"
 
 
 class Responder:
@@ -196,24 +201,22 @@ def prompt_text(prompt: dict[str, Any]) -> str:
 async def _respond(request: Request, gateway: Gateway, principal: Principal, body: SamplingRequest,
                    chat: bool, **prompt: Any):
     decision = gateway.resolve(principal, body.model, prompt_text(prompt), body.max_tokens, body.stream,
-                               tracing.of(request))
+                               tracing.request_trace(request))
     model = decision.model
-    greq = body.generate_request(model, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", **prompt)
+    generate_request = body.generate_request(model, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", **prompt)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    responder = Responder(chat, model, include_usage, greq.request_id)
-    started = await generation.start(gateway, request, principal, decision, greq, "openai", body.stream)
+    responder = Responder(chat, model, include_usage, generate_request.request_id)
+    started = await client_call.start(gateway, request, principal, decision, generate_request, "openai", body.stream)
     if body.stream:
         return StreamingResponse(responder.stream(started.events, body.n), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **started.headers})
-    result = await generation.collect(started, request)
+    result = await client_call.collect(started, request)
     return JSONResponse(responder.full(result, body.n), headers=started.headers)
 
 
 @router.post("/chat/completions")
 async def chat_completions(request: Request, body: ChatCompletionRequest, principal: InferencePrincipal,
                            gateway: GatewayDep):
-    if body.max_completion_tokens is not None:
-        body.max_tokens = body.max_completion_tokens
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     return await _respond(request, gateway, principal, body, chat=True, messages=messages)
 

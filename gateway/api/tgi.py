@@ -8,23 +8,22 @@ the 200 stream. The routes serve the caller's only model; `/tgi/{model}/...` pic
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from backends.base import BackendError, Delta, Finish, GenerateRequest, servegate_version
-
-from .. import generation, tracing
-from ..auth import Principal
-from ..deps import GatewayDep, InferencePrincipal
-from ..errors import GatewayError
-from ..service import Gateway
-from . import MAX_TOKENS, ClientBody, TokenCount
+from gateway.api import MAX_TOKENS, ClientBody, TokenCount, client_call
+from gateway.api.deps import GatewayDep, InferencePrincipal
+from gateway.errors import GatewayError
+from gateway.operations import tracing
+from gateway.service import Gateway
+from gateway.tenancy.auth import Principal
 
 router = APIRouter(tags=["tgi"])
 MAX_STOP_SEQUENCES = 4
@@ -77,10 +76,10 @@ def _request(body: TGIRequest, model: str) -> GenerateRequest:
                            max_tokens=p.max_new_tokens, seed=p.seed, stop=tuple(p.stop), extra=extra, **_sampling(p))
 
 
-def _finish_reason(reason: str | None, greq: GenerateRequest) -> str:
+def _finish_reason(reason: str | None, generate_request: GenerateRequest) -> str:
     if reason == "length":
         return "length"
-    return "stop_sequence" if greq.stop else "eos_token"
+    return "stop_sequence" if generate_request.stop else "eos_token"
 
 
 def _tokens(delta: Delta) -> list[Token]:
@@ -92,36 +91,37 @@ def _tokens(delta: Delta) -> list[Token]:
 
 
 async def _start(request: Request, gateway: Gateway, principal: Principal, body: TGIRequest, model: str | None,
-                 stream: bool) -> tuple[GenerateRequest, generation.Started]:
+                 stream: bool) -> tuple[GenerateRequest, client_call.Started]:
     decision = gateway.resolve(principal, model, body.inputs, body.parameters.max_new_tokens, stream,
-                               tracing.of(request))
-    greq = _request(body, decision.model)
-    return greq, await generation.start(gateway, request, principal, decision, greq, "tgi", stream)
+                               tracing.request_trace(request))
+    generate_request = _request(body, decision.model)
+    started = await client_call.start(gateway, request, principal, decision, generate_request, "tgi", stream)
+    return generate_request, started
 
 
 async def _generate(request: Request, gateway: Gateway, principal: Principal, body: TGIRequest,
                     model: str | None) -> tuple[dict, dict[str, str]]:
     """TGI's answer, and the response headers."""
-    greq, started = await _start(request, gateway, principal, body, model, stream=False)
-    result = await generation.collect(started, request)
+    generate_request, started = await _start(request, gateway, principal, body, model, stream=False)
+    result = await client_call.collect(started, request)
     text = result.text(0)
     if body.parameters.return_full_text:
         text = body.inputs + text
     answer: dict[str, Any] = {"generated_text": text}
     if body.parameters.details:
         answer["details"] = {
-            "finish_reason": _finish_reason(result.finish.finish_reasons[0], greq),
-            "generated_tokens": result.finish.usage.completion_tokens, "seed": greq.seed,
+            "finish_reason": _finish_reason(result.finish.finish_reasons[0], generate_request),
+            "generated_tokens": result.finish.usage.completion_tokens, "seed": generate_request.seed,
             "prefill": [], "tokens": [t.model_dump() for delta in result.deltas for t in _tokens(delta)],
         }
     return answer, started.headers
 
 
 def _event(data: dict) -> bytes:
-    return b"data:" + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+    return b"data:" + msgspec.json.encode(data) + b"\n\n"
 
 
-async def _stream_events(greq: GenerateRequest, events: AsyncIterator, prefix: str,
+async def _stream_events(generate_request: GenerateRequest, events: AsyncIterator, prefix: str,
                          with_details: bool) -> AsyncIterator[bytes]:
     """TGI's stream: the last token is held back until we know it is the last; it carries the
     whole text, and the details when they were asked for (TGI sends null otherwise)."""
@@ -139,9 +139,9 @@ async def _stream_events(greq: GenerateRequest, events: AsyncIterator, prefix: s
                     pending = token
                     texts.append(token.text)
             elif isinstance(event, Finish):
-                details = {"finish_reason": _finish_reason(event.finish_reasons[0], greq),
+                details = {"finish_reason": _finish_reason(event.finish_reasons[0], generate_request),
                            "generated_tokens": event.usage.completion_tokens,
-                           "input_length": event.usage.prompt_tokens, "seed": greq.seed}
+                           "input_length": event.usage.prompt_tokens, "seed": generate_request.seed}
                 last = pending or Token(id=0, text="", special=True)
                 yield _event({"index": index, "token": last.model_dump(), "generated_text": "".join(texts),
                               "details": details if with_details else None})
@@ -151,9 +151,9 @@ async def _stream_events(greq: GenerateRequest, events: AsyncIterator, prefix: s
 
 async def _generate_stream(request: Request, gateway: Gateway, principal: Principal, body: TGIRequest,
                            model: str | None):
-    greq, started = await _start(request, gateway, principal, body, model, stream=True)
+    generate_request, started = await _start(request, gateway, principal, body, model, stream=True)
     prefix = body.inputs if body.parameters.return_full_text else ""
-    stream = _stream_events(greq, started.events, prefix, body.parameters.details)
+    stream = _stream_events(generate_request, started.events, prefix, body.parameters.details)
     return StreamingResponse(stream, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **started.headers})
 
@@ -185,7 +185,7 @@ async def tokenize(request: Request, body: TGIRequest, principal: InferencePrinc
                    model: str | None = None):
     """Charged like a prompt: a request and its tokens to the tenant's windows (no cost)."""
     decision = gateway.resolve(principal, model)
-    spans = await generation.until_disconnect(request, gateway.tokenize(principal, decision, body.inputs))
+    spans = await client_call.until_disconnect(request, gateway.tokenize(principal, decision, body.inputs))
     return [{"id": t.id, "text": t.text, "start": t.start, "stop": t.stop} for t in spans]
 
 

@@ -35,7 +35,7 @@ from typing import Literal
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
-from .models import dollars
+from gateway.tables import dollars
 
 log = logging.getLogger("servegate.quotas")
 MINUTE, DAY = 60, 86_400

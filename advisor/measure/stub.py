@@ -1,6 +1,6 @@
 """An instant OpenAI-compatible upstream, for measuring what sits in front of it (gateways,
 adapters): a bare ASGI app, so that it costs as little as possible. Run it with
-`uvicorn advisor.bench.stub:app`. Streams carry CHUNKS content chunks, a finish chunk, a usage
+`uvicorn advisor.measure.stub:app`. Streams carry CHUNKS content chunks, a finish chunk, a usage
 chunk and `[DONE]`, as vLLM sends them with `stream_options.include_usage`."""
 
 from __future__ import annotations

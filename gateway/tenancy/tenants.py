@@ -14,10 +14,10 @@ from pydantic import BaseModel, Field
 from sqlalchemy import func
 from sqlmodel import Session, col, select
 
-from .errors import GatewayError
-from .keys import chosen_key_prefix, hash_key, key_prefix, new_key
-from .models import ApiKey, AuditLog, Dollars, Limits, Tenant, UsageRecord, as_utc, usd, utcnow
-from .telemetry import percentile
+from gateway.errors import GatewayError
+from gateway.operations.telemetry import percentile
+from gateway.tables import ApiKey, AuditLog, Dollars, Limits, Tenant, UsageRecord, as_utc, usd, utcnow
+from gateway.tenancy.keys import chosen_key_prefix, hash_key, key_prefix, new_key
 
 Scope = Literal["inference", "admin", "operator"]  # admin: its own tenant; operator: every tenant
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"

@@ -38,9 +38,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from backends.base import MAX_TOKENS
-
-from .models import UsageRecord
-from .quotas import DAY, MINUTE, Spent, month_of
+from gateway.tables import UsageRecord
+from gateway.tenancy.quotas import DAY, MINUTE, Spent, month_of
 
 log = logging.getLogger("servegate.ledger")
 ROTATE_BYTES = 1 << 20

@@ -6,10 +6,10 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from . import tracing
-from .auth import Principal
-from .errors import GatewayError
-from .service import Gateway
+from gateway.errors import GatewayError
+from gateway.operations import tracing
+from gateway.service import Gateway
+from gateway.tenancy.auth import Principal
 
 
 def get_gateway(request: Request) -> Gateway:
@@ -29,7 +29,7 @@ def credential(request: Request) -> str | None:
 def _require(*scopes: str):
     """A caller holding one of `scopes`."""
     async def principal(request: Request, gateway: Annotated[Gateway, Depends(get_gateway)]) -> Principal:
-        with tracing.of(request).step("gateway.auth") as span:
+        with tracing.request_trace(request).step("gateway.auth") as span:
             who = await gateway.directory.authenticate(credential(request))
             span.set_attribute("servegate.tenant", who.tenant.name)
         if not who.scopes & set(scopes):

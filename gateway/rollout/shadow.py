@@ -13,8 +13,8 @@ import logging
 from sqlalchemy import Engine
 from sqlmodel import Session, col, select
 
-from .calls import Outcome
-from .models import ShadowResult
+from gateway.inference.call import Outcome
+from gateway.tables import ShadowResult
 
 log = logging.getLogger("servegate.shadow")
 GREEDY_BELOW = 1e-5  # temperature under which sampling is greedy, as the engines treat it

@@ -10,8 +10,8 @@ import logging
 
 import httpx
 
-from .models import usd
-from .quotas import BudgetCrossing
+from gateway.tables import usd
+from gateway.tenancy.quotas import BudgetCrossing
 
 log = logging.getLogger("servegate.budgets")
 WEBHOOK_TIMEOUT_S = 5.0

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 from sqlalchemy import Engine
 from sqlmodel import Session
 
+from gateway.inference.routing import Decision, Router
+from gateway.operations.telemetry import GatewayMetrics, percentile
+from gateway.rollout import route_versions
 from policies.rollout import RolloutPolicy
-
-from . import routes
-from .routing import Decision, ModelRouter
-from .telemetry import GatewayMetrics, percentile
 
 log = logging.getLogger("servegate.canary")
 ACTOR = "canary-guard"
@@ -64,7 +63,7 @@ def verdict(policy: RolloutPolicy, active: Stats, canary: Stats) -> str | None:
 
 
 class CanaryGuard:
-    def __init__(self, router: ModelRouter, db: Engine, metrics: GatewayMetrics, policy: RolloutPolicy) -> None:
+    def __init__(self, router: Router, db: Engine, metrics: GatewayMetrics, policy: RolloutPolicy) -> None:
         self.router, self.db, self.metrics, self.policy = router, db, metrics, policy
         self.samples: dict[tuple[str, int], deque[Sample]] = {}
         self.clean_since: dict[tuple[str, int], float] = {}
@@ -124,8 +123,8 @@ class CanaryGuard:
 
     def _act(self, action: str, alias: str, version: int, reason: str) -> None:
         with Session(self.db) as session:
-            done = routes.end_canary(session, ACTOR, alias, version, reason, action)
-            self.router.set_routes(routes.table(session))  # this replica follows at once
+            done = route_versions.end_canary(session, ACTOR, alias, version, reason, action)
+            self.router.set_routes(route_versions.table(session))  # this replica follows at once
         if done:
             log.warning("canary %s@%d: %s (%s)", alias, version, action, reason)
             self.metrics.canary_actions.labels(alias, action).inc()

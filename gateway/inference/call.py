@@ -18,12 +18,11 @@ before it reached a backend, uses nothing and bills nothing.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -41,18 +40,19 @@ from backends.base import (
     Price,
     UpstreamError,
     Usage,
+    completion_limit,
     prompt_text_bytes,
 )
 from backends.timing import StreamTimer
-
-from .auth import Principal
-from .errors import GatewayError
-from .models import dollars, utcnow
-from .quotas import LIMIT_NAMES, QuotaExceeded, QuotaStore, QuotaStoreDown, Reservation
-from .routing import Decision, ModelRouter
-from .settings import Settings
-from .telemetry import GatewayMetrics
-from .tracing import OFF, RequestTrace, ended, first_token
+from gateway.errors import GatewayError
+from gateway.inference.fleet import Fleet
+from gateway.inference.routing import Decision
+from gateway.operations.telemetry import GatewayMetrics
+from gateway.operations.tracing import OFF, RequestTrace, ended, first_token
+from gateway.settings import Settings
+from gateway.tables import dollars, utcnow
+from gateway.tenancy.auth import Principal
+from gateway.tenancy.quotas import LIMIT_NAMES, QuotaExceeded, QuotaStore, QuotaStoreDown, Reservation
 
 log = logging.getLogger("servegate.requests")
 UNKNOWN_CONTEXT = 131_072  # tokens; settled back to actual use when the request ends
@@ -61,11 +61,11 @@ PRECHECK_BYTES = 64 * 1024  # a prompt this large is checked against quotas befo
 
 
 @dataclass(frozen=True)
-class CallEnv:
-    """What a call uses of the gateway: targets' state (router: admission, breakers), quotas,
-    metrics and timeouts."""
+class Shared:
+    """What every call uses of its gateway: the fleet (each target's queue and breaker), the
+    quotas, the metrics and the timeouts."""
 
-    router: ModelRouter
+    fleet: Fleet
     quotas: QuotaStore
     metrics: GatewayMetrics
     settings: Settings
@@ -130,7 +130,7 @@ class Received:
             self.texts.setdefault(delta.index, []).append(delta.text)
 
     @property
-    def floor(self) -> int:
+    def lower_bound(self) -> int:
         """Tokens the client surely received: one per id, at least one per piece."""
         return self.token_ids + self.pieces
 
@@ -147,11 +147,15 @@ class Received:
 
 
 class Call:
-    def __init__(self, env: CallEnv, principal: Principal, decision: Decision, greq: GenerateRequest, api: str,
+    """One request's run on its decision's backends, as an `async with` block: opened inside it
+    (`open`: the first event, or the error that refuses it) and read (`rest`); the block's end
+    closes the stream where it stands, which fixes the outcome (`Gateway.call` then settles it)."""
+
+    def __init__(self, shared: Shared, principal: Principal, decision: Decision, request: GenerateRequest, api: str,
                  stream: bool, *, billed: bool = True, keep_text: bool = False, trace: RequestTrace = OFF) -> None:
         """`billed`: reserves quota and feeds the metrics (a shadow's mirrored call is not);
         `keep_text`: choice 0's text goes into the outcome; `trace`: the request's spans."""
-        self.env, self.principal, self.decision, self.greq = env, principal, decision, greq
+        self.shared, self.principal, self.decision, self.request = shared, principal, decision, request
         self.api, self.stream, self.billed, self.keep_text, self.trace = api, stream, billed, keep_text, trace
         self.started, self.started_at = time.monotonic(), utcnow()
         self.prompt_tokens = 0  # the gateway's own count: exact, or an upper bound
@@ -165,53 +169,52 @@ class Call:
         self.received = Received()
         self.text: list[str] = []
         self.outcome: Outcome | None = None  # set once the request has ended
+        self._events: AsyncGenerator[Event, None] | None = None
 
-    async def open(self) -> tuple[Event, AsyncIterator[Event]]:
+    async def open(self) -> Event:
         """Reserve, start, and wait for the first event: errors raise here, before a client is
-        sent anything. Returns it and the rest of the stream."""
+        sent anything."""
         if self.billed:
             with self.trace.step("gateway.quota"):
                 await self._reserve()
-        events = self._events()
-        try:
-            return await anext(events), events
-        except BaseException:
-            await events.aclose()
-            raise
+        self._events = self._stream()
+        return await anext(self._events)
+
+    def rest(self) -> AsyncIterator[Event]:
+        """The events after the first, up to the `Finish` (whose usage is the one billed)."""
+        return self._events
+
+    async def __aenter__(self) -> Call:
+        return self
+
+    async def __aexit__(self, *_) -> None:
+        """A call left before its end is `cancelled`; one never opened has no outcome."""
+        if self._events is not None:
+            await self._events.aclose()
 
     # -- before forwarding ------------------------------------------------------------------
     async def _reserve(self) -> None:
-        cap = self.principal.max_tokens_per_request
-        max_tokens = self.greq.max_tokens
-        if cap is not None and max_tokens is not None and max_tokens > cap:
-            raise GatewayError(400, f"max_tokens {max_tokens} exceeds this key's limit of {cap} tokens per request.",
-                               "invalid_request_error", code="max_tokens_exceeded", param="max_tokens")
-        if cap is not None and max_tokens is None:
-            self.greq = dataclasses.replace(self.greq, max_tokens=cap)
         backend = self.decision.candidates[0]
         capabilities = await backend.capabilities()
-        context, scopes, n = capabilities.max_context, self.principal.quota_scopes(), self.greq.n
+        context, scopes, n = capabilities.max_context, self.principal.quota_scopes(), self.request.n
         self.price = price = self._price(capabilities)
-        at_least = backend.min_prompt_tokens(self.greq)
+        at_least = backend.min_prompt_tokens(self.request)
         if context and at_least > context:
             raise ContextTooLong(f"This prompt holds at least {at_least} tokens, more than the model's context of "
-                                 f"{context} tokens.", param="messages" if self.greq.messages else "prompt")
-        tokens, cost = at_least + (self.greq.max_tokens or 1) * n, 0
+                                 f"{context} tokens.", param="messages" if self.request.messages else "prompt")
+        tokens, cost = at_least + (self.request.max_tokens or 1) * n, 0
         try:
-            if prompt_text_bytes(self.greq) > PRECHECK_BYTES:  # refused before the count, where counting takes time
-                cost = price.cost(at_least, (self.greq.max_tokens or 1) * n) if price else 0
-                await self.env.quotas.check(scopes, tokens, cost)
-            self.prompt_tokens = min(await backend.count_prompt_tokens(self.greq), context or MAX_TOKENS)
-            if self.greq.max_tokens is not None:
-                completion = self.greq.max_tokens
-            else:  # no cap asked: reserve what the context leaves (a generous bound when it is unknown)
-                completion = max((context or UNKNOWN_CONTEXT) - self.prompt_tokens, 1)
+            if prompt_text_bytes(self.request) > PRECHECK_BYTES:  # refused before the count, where counting takes time
+                cost = price.cost(at_least, (self.request.max_tokens or 1) * n) if price else 0
+                await self.shared.quotas.check(scopes, tokens, cost)
+            self.prompt_tokens = min(await backend.count_prompt_tokens(self.request), context or MAX_TOKENS)
+            completion = completion_limit(self.request.max_tokens, context or UNKNOWN_CONTEXT, self.prompt_tokens)
             self.completion_bound = completion * n
             tokens = self.prompt_tokens + self.completion_bound
             cost = price.cost(self.prompt_tokens, self.completion_bound) if price else 0
-            self.reservation = await self.env.quotas.reserve(scopes, tokens, cost)
+            self.reservation = await self.shared.quotas.reserve(scopes, tokens, cost)
         except QuotaExceeded as exc:
-            self.env.metrics.quota_rejections.labels(self.principal.tenant.name, exc.limit).inc()
+            self.shared.metrics.quota_rejections.labels(self.principal.tenant.name, exc.limit).inc()
             raise refusal(exc, tokens, cost) from None
         except QuotaStoreDown as exc:
             raise GatewayError(503, f"{exc}; quotas cannot be checked, and this gateway refuses requests meanwhile "
@@ -220,38 +223,80 @@ class Call:
 
     def _price(self, capabilities: Capabilities) -> Price | None:
         """The configured price of the model asked for, else the backend's list price."""
-        return self.env.settings.prices.get(self.decision.model) or capabilities.price
+        return self.shared.settings.prices.get(self.decision.model) or capabilities.price
 
     # -- the stream ---------------------------------------------------------------------
-    async def _events(self) -> AsyncIterator[Event]:
-        """The first candidate's events; the next candidate's when one fails before answering."""
+    async def _stream(self) -> AsyncGenerator[Event, None]:
+        """The first candidate's events, each within the idle timeout and all within the request
+        timeout (the route's `timeout_s` where it sets one), counted as they pass; the next
+        candidate's when one fails before answering. One generator for all of it: every streamed
+        piece pays for each layer it passes."""
+        settings, metrics, fleet = self.shared.settings, self.shared.metrics, self.shared.fleet
+        model, candidates = self.decision.model, self.decision.candidates
+        timeout = self.decision.timeout_s or settings.request_timeout_s
+        loop = asyncio.get_running_loop()
+        timer = StreamTimer(settings.idle_timeout_s, self.started - time.monotonic() + loop.time() + timeout)
+        itl, last, finish = metrics.itl.labels(model), 0.0, None
         status, error = "cancelled", None
-        candidates = self.decision.candidates
         try:
             for number, backend in enumerate(candidates, 1):
                 self.backend = backend
                 if self.billed and number > 1:  # the first candidate's price was read when reserving
                     self.price = self._price(await backend.capabilities())
-                span, headers = self.trace.backend_call(self.greq, backend.name)
+                span, headers = self.trace.backend_call(self.request, backend.name)
                 usage, reasons, failure = None, (), None
                 try:
-                    greq = backend.admit_extras(self.greq)  # nothing undeclared goes upstream
+                    request = backend.admit_extras(self.request)  # nothing undeclared goes upstream
                     if headers:
-                        greq = dataclasses.replace(greq, trace_headers=headers)
-                    async with self._slot(backend):
-                        async for event in self._timed(backend.generate(greq), span):
-                            if isinstance(event, Finish):
-                                usage, reasons = event.usage, event.finish_reasons
-                            yield event
-                    return
+                        request = dataclasses.replace(request, trace_headers=headers)
+                    async with fleet.attempt(backend.name):
+                        self.tried.append(backend.name)
+                        if self.billed:
+                            metrics.overhead.observe(time.monotonic() - self.started)
+                            metrics.in_flight.labels(backend.name).inc()
+                        events = backend.generate(request)
+                        try:
+                            while True:
+                                try:
+                                    event = await timer.next(events)
+                                except StopAsyncIteration:
+                                    raise UpstreamError(f"{backend.name}: the stream ended without finishing") from None
+                                except TimeoutError:
+                                    raise BackendTimeout(f"the backend sent nothing for {settings.idle_timeout_s:g} "
+                                                         f"s, or the request outlived {timeout:g} s") from None
+                                self.answered = True
+                                if isinstance(event, Finish):
+                                    finish, usage, reasons = event, event.usage, event.finish_reasons
+                                    break
+                                self.received.add(event)
+                                if self.keep_text and event.index == 0:
+                                    self.text.append(event.text)
+                                if event.text or event.token_ids:
+                                    now = time.monotonic()
+                                    if self.first_token_at is None:
+                                        self.first_token_at = now
+                                        first_token(span, now - self.started)
+                                        if self.billed:
+                                            metrics.ttft.labels(model).observe(now - self.started)
+                                    elif self.billed:
+                                        itl.observe(now - last)
+                                    last = now
+                                yield event
+                        finally:
+                            await events.aclose()
+                            if self.billed:
+                                metrics.in_flight.labels(backend.name).dec()
+                    break  # the target's slot is free and its breaker told before the client sees the end
                 except BackendError as exc:
                     failure = exc.code
                     if self.answered or not exc.retryable or number == len(candidates):
                         raise
                     log.warning("backend %s failed before answering (%s); trying %s", backend.name, exc.code,
-                                candidates[number].name, extra={"request_id": self.greq.request_id})
+                                candidates[number].name, extra={"request_id": self.request.request_id})
                 finally:
                     ended(span, usage, reasons, failure)
+            self.outcome = self._outcome("ok", None, finish.usage)
+            yield dataclasses.replace(finish, usage=self.outcome.usage)
         except BackendError as exc:
             status, error = "error", exc.code
             raise
@@ -259,76 +304,9 @@ class Call:
             status, error = "error", "internal"
             raise
         finally:
+            timer.cancel()
             if self.outcome is None:
                 self.outcome = self._outcome(status, error, None)
-
-    @contextlib.asynccontextmanager
-    async def _slot(self, backend: Backend):
-        """A place in the backend's admission queue, for one attempt; the attempt's result goes
-        to the target's breaker (a client's mistake is not the backend's fault; an attempt that
-        never finished there hands a half-open breaker's probe back)."""
-        router, metrics = self.env.router, self.env.metrics
-        admission, breaker = router.admission[backend.name], router.breakers[backend.name]
-        await admission.acquire()  # refused here: this gateway's own queue is full, no fault of the target
-        self.tried.append(backend.name)
-        breaker.begin(time.monotonic())
-        if self.billed:
-            metrics.overhead.observe(time.monotonic() - self.started)
-            metrics.in_flight.labels(self.decision.model).inc()
-        try:
-            yield
-        except BackendError as exc:
-            breaker.record(not exc.retryable, time.monotonic())
-            raise
-        except BaseException:
-            breaker.release()
-            raise
-        else:
-            breaker.record(True, time.monotonic())
-        finally:
-            admission.release()
-            if self.billed:
-                metrics.in_flight.labels(self.decision.model).dec()
-
-    async def _timed(self, events: AsyncIterator[Event], span) -> AsyncIterator[Event]:
-        """The backend's events, each within the idle timeout and all within the request timeout
-        (the route's `timeout_s` where it sets one), counted as they pass."""
-        settings, metrics, model = self.env.settings, self.env.metrics, self.decision.model
-        loop = asyncio.get_running_loop()
-        timeout = self.decision.timeout_s or settings.request_timeout_s
-        timer = StreamTimer(settings.idle_timeout_s, self.started - time.monotonic() + loop.time() + timeout)
-        itl, last = metrics.itl.labels(model), 0.0
-        try:
-            while True:
-                try:
-                    event = await timer.next(events)
-                except StopAsyncIteration:
-                    raise UpstreamError(f"{self.backend.name}: the stream ended without finishing") from None
-                except TimeoutError:
-                    raise BackendTimeout(f"the backend sent nothing for {settings.idle_timeout_s:g} s, or the "
-                                         f"request outlived {timeout:g} s") from None
-                self.answered = True
-                if isinstance(event, Finish):
-                    self.outcome = self._outcome("ok", None, event.usage)  # settled before the client sees the end
-                    yield dataclasses.replace(event, usage=self.outcome.usage)
-                    return
-                self.received.add(event)
-                if self.keep_text and event.index == 0:
-                    self.text.append(event.text)
-                if event.text or event.token_ids:
-                    now = time.monotonic()
-                    if self.first_token_at is None:
-                        self.first_token_at = now
-                        first_token(span, now - self.started)
-                        if self.billed:
-                            metrics.ttft.labels(model).observe(now - self.started)
-                    elif self.billed:
-                        itl.observe(now - last)
-                    last = now
-                yield event
-        finally:
-            timer.cancel()
-            await events.aclose()
 
     # -- after ------------------------------------------------------------------------------
     def checkpoint(self) -> Outcome | None:
@@ -348,14 +326,14 @@ class Call:
                 completion = received.estimate()
             # never more cached than the prompt held: cached tokens priced below input ones would bill less than nothing
             cached = self._reported("cached_tokens", reported.cached_tokens, prompt) or 0
-            usage = Usage(prompt, max(completion, received.floor), cached)
+            usage = Usage(prompt, max(completion, received.lower_bound), cached)
         elif not self.answered and (status in ("error", "interrupted") or not self.tried):
             usage = Usage(0, 0)  # refused or failed before any answer, or gone before reaching a backend
         else:
             usage = Usage(self.prompt_tokens, received.estimate())
             recount = received
         return Outcome(
-            request=self.greq, principal=self.principal, decision=self.decision, api=self.api,
+            request=self.request, principal=self.principal, decision=self.decision, api=self.api,
             stream=self.stream, status=status, error=error, usage=usage,
             backend=self.backend.name if self.backend else "", tried=tuple(self.tried),
             ttft_ms=None if self.first_token_at is None else (self.first_token_at - self.started) * 1000,
@@ -372,7 +350,7 @@ class Call:
         if value is not None:
             log.warning("backend %s reported usage.%s = %.40r, outside [0, %d]; billed the gateway's own count",
                         self.backend.name if self.backend else "?", field, value, bound,
-                        extra={"request_id": self.greq.request_id})
+                        extra={"request_id": self.request.request_id})
         return None
 
 

@@ -25,11 +25,11 @@ import jwt
 from sqlalchemy import Engine
 from sqlmodel import Session, select
 
-from .errors import GatewayError
-from .keys import hash_key, is_servegate_key, key_prefix, verify
-from .models import ApiKey, Limits, Tenant, nano_usd
-from .quotas import QuotaLimits, Scope
-from .settings import Settings
+from gateway.errors import GatewayError
+from gateway.settings import Settings
+from gateway.tables import ApiKey, Limits, Tenant, nano_usd
+from gateway.tenancy.keys import hash_key, is_servegate_key, key_prefix, verify
+from gateway.tenancy.quotas import QuotaLimits, Scope
 
 log = logging.getLogger("servegate.auth")
 JWKS_TTL_S = 300.0  # identity providers rotate keys with overlap; five minutes is their usual cache

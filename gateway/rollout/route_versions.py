@@ -26,10 +26,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlmodel import Session, col, select
 
+from gateway.tables import AuditLog, Route
+from gateway.tenancy.tenants import NAME_PATTERN, Conflict, NotFound, audit
 from policies import rules
-
-from .models import AuditLog, Route
-from .tenancy import NAME_PATTERN, Conflict, NotFound, audit
 
 
 class Target(BaseModel):

@@ -1,26 +1,27 @@
 """Which backend serves a request: a served model's own backend, or a route alias's version
 (active, or the canary by its share) and, inside it, a target. The version's rules (CEL, in
-policies/rules) exclude targets and rank the rest; targets are skipped while their circuit
-breaker is open; the choice is weighted, or the least loaded, or the replica that last served the
-prompt's prefix; the other targets and the fallbacks follow as retries. One seeded random
-generator makes every choice reproducible."""
+policies/rules) exclude targets and rank the rest; targets are skipped while the fleet says they
+are down or their circuit breaker is open; the choice is weighted, or the least loaded, or the
+replica that last served the prompt's prefix; the other targets and the fallbacks follow as
+retries. One seeded random generator makes every choice reproducible.
+
+The router holds routing's own state only (the route table, the prefixes it placed, its random
+generator); what it knows of the targets it reads from the fleet, and changes nothing there."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import random
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from backends.base import Backend, Capabilities, InvalidRequest, Load, ModelNotFound
+from backends.base import Backend, InvalidRequest, ModelNotFound
 from backends.runtimes import matrix_of
+from gateway.inference.fleet import Fleet
+from gateway.rollout.route_versions import PrefixAware, RouteOut, RouteState, Target
 from policies import rules
 from policies.matrix import matrices
-
-from .admission import Admission
-from .routes import PrefixAware, RouteOut, RouteState, Target
 
 
 @dataclass(frozen=True)
@@ -54,38 +55,6 @@ class Decision:
 
 
 @dataclass
-class Breaker:
-    """Consecutive failures open it for `cooldown_s`; then it is half-open: one request at a time
-    may probe it, and a success closes it. Reading it (`allows`) changes nothing: the probe is
-    claimed only when a request really starts on the target (`begin`), and handed back if that
-    request never finishes there (`release`: cancelled, refused before sending)."""
-    threshold: int = 3
-    cooldown_s: float = 10.0
-    failures: int = 0
-    opened_at: float | None = None
-    probing: bool = False
-
-    def allows(self, now: float) -> bool:
-        return self.opened_at is None or (now - self.opened_at >= self.cooldown_s and not self.probing)
-
-    def begin(self, now: float) -> None:
-        if self.opened_at is not None and now - self.opened_at >= self.cooldown_s:
-            self.probing = True
-
-    def release(self) -> None:
-        self.probing = False
-
-    def record(self, ok: bool, now: float) -> None:
-        self.probing = False
-        if ok:
-            self.failures, self.opened_at = 0, None
-            return
-        self.failures += 1
-        if self.failures >= self.threshold:
-            self.opened_at = now
-
-
-@dataclass
 class PrefixIndex:
     """Chained block hash -> the backend that last served a prompt with that prefix (bounded LRU)."""
     capacity: int = 100_000
@@ -115,27 +84,21 @@ class PrefixIndex:
             self.owners.popitem(last=False)
 
 
-class ModelRouter:
-    def __init__(self, backends: dict[str, Backend], seed: int | None = None, breaker: Breaker | None = None,
-                 admission: dict[str, Admission] | None = None) -> None:
-        self.backends = backends  # served model id -> backend
-        self.by_name = {b.name: b for b in backends.values()}
-        if len(self.by_name) != len({id(b) for b in backends.values()}):  # routes, breakers, queues go by name
-            names = [b.name for b in {id(b): b for b in backends.values()}.values()]
-            raise ValueError(f"backends need distinct names: {sorted({n for n in names if names.count(n) > 1})} "
-                             "name more than one")
+class Router:
+    def __init__(self, fleet: Fleet, seed: int | None = None) -> None:
+        self.fleet = fleet
         self.routes: dict[str, RouteState] = {}
         self.rng = random.Random(seed)
-        self.breakers = {name: dataclasses.replace(breaker or Breaker()) for name in self.by_name}
-        # this replica's backpressure per backend: its queue counts in least-loaded choices
-        self.admission = admission if admission is not None else {}
-        self.loads: dict[str, Load] = {}  # polled from the backends
-        self.capabilities: dict[str, Capabilities] = {}  # read once each backend answers
-        self.down: set[str] = set()  # targets whose health check says they are down
         self.prefixes = PrefixIndex()
 
     def models(self) -> list[str]:
-        return [*self.backends, *(a for a in self.routes if a not in self.backends)]
+        served = self.fleet.served
+        return [*served, *(a for a in self.routes if a not in served)]
+
+    def targets(self) -> set[str]:
+        """The backends the live route versions name, whose load the fleet keeps fresh."""
+        return {name for state in self.routes.values() for version in (state.active, state.canary)
+                if version is not None for name in version.spec.backends()}
 
     def set_routes(self, routes: dict[str, RouteState]) -> None:
         """A refreshed route table; requests already running keep the backend they have."""
@@ -152,7 +115,7 @@ class ModelRouter:
                                 f"Available: {', '.join(visible) or 'none'}.", param="model")
         if model in self.routes:
             return self._route(model, self.routes[model], facts)
-        return Decision(model, [self.backends[model]])
+        return Decision(model, [self.fleet.served[model]])
 
     # -- inside a route -----------------------------------------------------------------------
     def _route(self, alias: str, state: RouteState, facts: RequestFacts) -> Decision:
@@ -161,12 +124,13 @@ class ModelRouter:
             version, variant = state.canary, "canary"
         order, reason = self._order(alias, version, facts)
         mirror = version.spec.shadow
-        shadow = self.by_name.get(mirror.backend) if mirror and self.rng.random() < mirror.share else None
+        shadow = self.fleet.backend(mirror.backend) if mirror and self.rng.random() < mirror.share else None
         return Decision(alias, order, alias, version.version, variant, reason, version.spec.timeout_s, shadow)
 
     def _order(self, alias: str, version: RouteOut, facts: RequestFacts) -> tuple[list[Backend], str]:
         spec, now = version.spec, time.monotonic()
-        targets = [t for t in spec.targets if t.backend in self.by_name]
+        fleet = self.fleet
+        targets = [t for t in spec.targets if t.backend in fleet]
         fallbacks = list(spec.fallbacks)
         # the prompt's chained block hashes, for prefix-aware choice and the rules' shared-prefix fact
         hashes = PrefixIndex.chain(facts.prompt, spec.prefix_aware or PrefixAware()) \
@@ -175,13 +139,13 @@ class ModelRouter:
         ruled = ""
         if spec.rules:
             targets, fallbacks, ruled = self._apply_rules(alias, spec, facts, depth > 0, targets, fallbacks)
-        open_ = [t for t in targets if t.backend in self.down or not self.breakers[t.backend].allows(now)]
+        open_ = [t for t in targets if not fleet[t.backend].available(now)]
         ready = [t for t in targets if t not in open_]
         first, reason = None, "weighted"
         if ready and spec.prefix_aware is not None:
             first, reason = self._by_prefix(ready, spec.prefix_aware, hashes, owner, depth)
         if first is None and ready and spec.balance == "least-loaded":
-            first = min(ready, key=lambda t: (self._waiting(t.backend), self._kv_usage(t.backend), -t.weight))
+            first = min(ready, key=lambda t: (fleet[t.backend].waiting, fleet[t.backend].kv_usage, -t.weight))
             reason = "least-loaded"
         if first is None and ready:
             first = self.rng.choices(ready, weights=[t.weight for t in ready])[0]
@@ -193,22 +157,19 @@ class ModelRouter:
             reason += f"; skipped {','.join(t.backend for t in open_)} (down or circuit open)"
         if ruled:
             reason = f"{ruled}; {reason}"
-        seen: dict[str, Backend] = {}
-        for name in names:
-            if name in self.by_name and name not in seen:
-                seen[name] = self.by_name[name]
-        return list(seen.values()), reason
+        return [fleet[name].backend for name in dict.fromkeys(names) if name in fleet], reason
 
     def _by_prefix(self, ready, spec: PrefixAware, hashes: list[bytes], owner: str | None, depth: int):
         if not hashes:  # shorter than one block: nothing worth keeping together
             return None, "weighted"
         chosen = next((t for t in ready if t.backend == owner), None)
-        least = min(self._waiting(t.backend) for t in ready)
-        if chosen is not None and self._waiting(owner) - least <= spec.max_extra_waiting:
+        waiting = {t.backend: self.fleet[t.backend].waiting for t in ready}
+        least = min(waiting.values())
+        if chosen is not None and waiting[owner] - least <= spec.max_extra_waiting:
             reason = f"prefix ({depth} blocks cached)"
         else:  # among the targets not overloaded (the least loaded one at least)
             overloaded = chosen is not None
-            fit = [t for t in ready if self._waiting(t.backend) - least <= spec.max_extra_waiting]
+            fit = [t for t in ready if waiting[t.backend] - least <= spec.max_extra_waiting]
             chosen = self.rng.choices(fit, weights=[t.weight for t in fit])[0]
             if overloaded:  # a detour: the prefix stays with its owner, or groups would flip-flop
                 return chosen, "prefix owner overloaded; weighted"
@@ -242,22 +203,11 @@ class ModelRouter:
         return chosen, [f for f in fallbacks if f in scored], summary
 
     def _target_facts(self, name: str, spec) -> dict:
-        caps, load = self.capabilities.get(name), self.loads.get(name)
+        member = self.fleet.members.get(name)
+        caps = member.capabilities if member else None
         target = next((t for t in spec.targets if t.backend == name), None)
         matrix = matrices().get(matrix_of(caps.runtime) or "") if caps else None
         return {"backend": name, "runtime": caps.runtime if caps else "", "pool": target.pool if target else "",
                 "max_context": caps.max_context if caps else 0, "prefix_caching": bool(caps and caps.prefix_caching),
                 "maintained": matrix is None or matrix.maintained.status == "yes",
-                "waiting": self._waiting(name), "kv_usage": load.kv_usage if load else 0.0}
-
-    def _waiting(self, backend: str) -> int:
-        """Requests ahead of a new one: the backend's own count (all replicas' traffic, as last
-        polled) or this replica's, whichever is larger."""
-        load = self.loads.get(backend)
-        admission = self.admission.get(backend)
-        pending = admission.in_flight + admission.queued if admission else 0
-        return max((load.waiting + load.running) if load else 0, pending)
-
-    def _kv_usage(self, backend: str) -> float:
-        load = self.loads.get(backend)
-        return load.kv_usage if load else 0.0
+                "waiting": member.waiting if member else 0, "kv_usage": member.kv_usage if member else 0.0}

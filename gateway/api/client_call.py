@@ -3,8 +3,9 @@
 The first event is awaited before any response byte is sent, so validation and overload errors
 become proper HTTP statuses instead of a broken stream. A client that disconnects, while we wait
 or mid-stream, cancels the call: its stream is closed, which releases the backend's resources.
-The call is handed back to the gateway exactly once: when its final event passes (so the usage
-record is written before the client receives the end), or when its stream ends otherwise.
+The call's `Gateway.call` block is entered by the handler and left by the response: when the
+final event arrives (so the usage is recorded before the client receives the end), or when the
+stream ends otherwise.
 """
 
 from __future__ import annotations
@@ -17,16 +18,14 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from backends.base import Delta, Event, Finish, GenerateRequest
-
-from .auth import Principal
-from .calls import Call
-from .errors import ClientDisconnected
-from .routing import Decision
-from .service import Gateway
-from .tracing import of
+from gateway.errors import ClientDisconnected
+from gateway.inference.call import Call
+from gateway.inference.routing import Decision
+from gateway.operations.tracing import request_trace
+from gateway.service import Gateway
+from gateway.tenancy.auth import Principal
 
 ROUTE_HEADER = "x-servegate-route"
-SETTLE_WAIT_S = 0.5  # how long the end of an answer waits for its quota settlement (Redis may be slow)
 
 
 async def _disconnected(request: Request) -> None:
@@ -57,35 +56,27 @@ class Started:
 
 
 async def start(gateway: Gateway, request: Request, principal: Principal, decision: Decision,
-                greq: GenerateRequest, api: str, stream: bool) -> Started:
+                generate_request: GenerateRequest, api: str, stream: bool) -> Started:
     """Reserve and start the call, and wait for its first event (errors raise here)."""
-    call = gateway.call(principal, decision, greq, api, stream, of(request))
+    block = contextlib.AsyncExitStack()  # the call's block, left by `_events` once the response ends
+    call = await block.enter_async_context(
+        gateway.call(principal, decision, generate_request, api, stream, request_trace(request)))
     try:
-        first, events = await until_disconnect(request, call.open())
+        first = await until_disconnect(request, call.open())
     except BaseException:
-        gateway.settle(call)
+        await block.aclose()
         raise
-    return Started(_settled(gateway, call, first, events), {ROUTE_HEADER: decision.header(call.backend.name)})
+    return Started(_events(block, call, first), {ROUTE_HEADER: decision.header(call.backend.name)})
 
 
-async def _settled(gateway: Gateway, call: Call, first: Event, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
-    settled = False
-    try:
+async def _events(block: contextlib.AsyncExitStack, call: Call, first: Event) -> AsyncIterator[Event]:
+    async with block:
         event = first
-        while True:
-            if isinstance(event, Finish):
-                settling = gateway.settle(call)
-                settled = True
-                if settling is not None:  # the slot is free before the client can send its next request
-                    await asyncio.wait({settling}, timeout=SETTLE_WAIT_S)
+        rest = call.rest()
+        while not isinstance(event, Finish):
             yield event
-            event = await anext(events)
-    except StopAsyncIteration:
-        return
-    finally:
-        await events.aclose()
-        if not settled:
-            gateway.settle(call)
+            event = await anext(rest)
+    yield event  # settled: the end reaches the client after its usage is recorded
 
 
 @dataclass

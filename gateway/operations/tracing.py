@@ -48,20 +48,20 @@ class RequestTrace:
         finally:
             span.end()
 
-    def backend_call(self, greq: GenerateRequest, backend: str) -> tuple[trace.Span, dict[str, str]]:
+    def backend_call(self, request: GenerateRequest, backend: str) -> tuple[trace.Span, dict[str, str]]:
         """The client span of one attempt, and the headers that carry its context upstream."""
         if not self.on:
             return trace.INVALID_SPAN, {}
-        operation = "chat" if greq.messages is not None else "text_completion"
-        attributes = {"gen_ai.operation.name": operation, "gen_ai.request.model": greq.model or "",
+        operation = "chat" if request.messages is not None else "text_completion"
+        attributes = {"gen_ai.operation.name": operation, "gen_ai.request.model": request.model or "",
                       "servegate.backend": backend,
-                      "gen_ai.request.temperature": greq.temperature, "gen_ai.request.top_p": greq.top_p,
-                      "gen_ai.request.choice.count": greq.n}
-        if greq.max_tokens is not None:
-            attributes["gen_ai.request.max_tokens"] = greq.max_tokens
-        if greq.seed is not None:
-            attributes["gen_ai.request.seed"] = greq.seed
-        span = self.tracer.start_span(f"{operation} {greq.model}", context=trace.set_span_in_context(self.root),
+                      "gen_ai.request.temperature": request.temperature, "gen_ai.request.top_p": request.top_p,
+                      "gen_ai.request.choice.count": request.n}
+        if request.max_tokens is not None:
+            attributes["gen_ai.request.max_tokens"] = request.max_tokens
+        if request.seed is not None:
+            attributes["gen_ai.request.seed"] = request.seed
+        span = self.tracer.start_span(f"{operation} {request.model}", context=trace.set_span_in_context(self.root),
                                       kind=SpanKind.CLIENT, attributes=attributes)
         headers: dict[str, str] = {}
         propagate.inject(headers, context=trace.set_span_in_context(span))
@@ -136,7 +136,7 @@ def decided(decision) -> dict:
     return attributes
 
 
-def of(request) -> RequestTrace:
+def request_trace(request) -> RequestTrace:
     """The request's trace (`OFF` where tracing is off)."""
     return getattr(request.state, "trace", OFF)
 

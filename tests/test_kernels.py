@@ -1,79 +1,15 @@
-"""Small pieces checked against their references: RoPE scaling, detokenization, sampling filters."""
+"""The native CPU kernels against the PyTorch path: paged attention (the decode and chunk kernels,
+AMX tiles against bf16 pairs, every head grouping, sequences sharing prefixes), the fused layer ops
+(RMSNorm, rotary, SiLU-and-multiply) and the bf16 GEMM; and the PyTorch path's gathered attention
+against each sequence's attention written out."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from backends.builtin.detokenizer import Detokenizer
-from backends.builtin.models.llama import LlamaConfig, RMSNorm, rope_inv_freq, rotate_half
-from backends.builtin.sampler import _filtered
+from backends.builtin.models.llama import RMSNorm, rotate_half
 from backends.cpu import bf16_native
-
-
-@pytest.mark.parametrize("scaling", [
-    None,
-    {"rope_type": "linear", "factor": 4.0},
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 8192},
-])
-def test_rope_frequencies_match_transformers(scaling):
-    from transformers import LlamaConfig as HFConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    hf = HFConfig(hidden_size=4096, num_attention_heads=32, rope_theta=500000.0, max_position_embeddings=131072,
-                  rope_scaling=scaling)
-    ours = LlamaConfig.from_hf(hf.to_dict())
-    kind = (scaling or {}).get("rope_type", "default")
-    if kind == "default":
-        want = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, dtype=torch.int64).float() / 128))
-    else:
-        want, _ = ROPE_INIT_FUNCTIONS[kind](hf, "cpu")
-    assert torch.equal(rope_inv_freq(ours), want)
-
-
-def test_unknown_rope_scaling_is_refused():
-    cfg = LlamaConfig(10, 8, 8, 1, 2, 2, 4, 16, rope_scaling={"rope_type": "yarn", "factor": 2.0})
-    with pytest.raises(ValueError, match="yarn"):
-        rope_inv_freq(cfg)
-
-
-TEXT = "Café ☕ 東京 🚀🎉 naïve — ok"
-
-
-def test_incremental_detokenization_never_splits_characters(default_model):
-    tok = default_model.tokenizer
-    ids = tok.encode(TEXT)
-    detok = Detokenizer(tok, tok.encode("Say:"))
-    pieces = [detok.add(t, final=i == len(ids) - 1)[0] for i, t in enumerate(ids)]
-    assert "".join(pieces) == tok.decode(ids)
-    assert not any("\ufffd" in p for p in pieces)
-    assert len(ids) > len(TEXT.split())  # multi-byte characters really were split across tokens
-
-
-def test_stop_string_across_tokens_is_held_back_and_cut(default_model):
-    tok = default_model.tokenizer
-    ids = tok.encode("alpha beta STOP gamma")
-    detok = Detokenizer(tok, [], stop=("ST" + "OP",))
-    released, hit = [], False
-    for t in ids:
-        piece, hit = detok.add(t)
-        released.append(piece)
-        if hit:
-            break
-    assert hit and "".join(released) == "alpha beta "
-
-
-def test_top_k_and_top_p_filters():
-    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
-
-    def kept(top_k: int, top_p: float) -> torch.Tensor:
-        left = _filtered(probs, torch.tensor([top_k]), torch.tensor([top_p]))
-        return left / left.sum()  # the exponential race draws from the unnormalized rest alike
-
-    assert torch.allclose(kept(2, 1.0), torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
-    assert torch.allclose(kept(4, 0.7), torch.tensor([[0.625, 0.375, 0.0, 0.0]]))  # 0.5 + 0.3 covers 0.7
-    assert torch.allclose(kept(4, 0.1), torch.tensor([[1.0, 0.0, 0.0, 0.0]]))  # the top token always stays
 
 
 def filled_cache(kv_dtype: str, dtype: torch.dtype, head_dim: int = 64, kv_heads: int = 3):
@@ -307,16 +243,3 @@ def rotary_and_silu(ops, dtype):
     gate_up = torch.randn(tokens, 2 * 1536).to(dtype) * 4
     gate, up = gate_up.chunk(2, dim=-1)
     yield ops.silu_mul(gate_up), F.silu(gate) * up
-
-
-def test_int8_cache_stays_close_to_full_precision():
-    from backends.builtin.attention import LayerKV
-
-    full, int8 = filled_cache("auto", torch.float32), filled_cache("int8", torch.float32)
-    tables = torch.tensor([[5, 6, 7]])
-    for i in (0, 1):
-        exact, approx = full.gathered(i, tables, torch.float32), int8.gathered(i, tables, torch.float32)
-        bound = exact.abs().amax(dim=-1, keepdim=True) / 127 / 2 + 1e-6  # half a quantization step
-        assert ((exact - approx).abs() <= bound).all()
-    assert int8.nbytes < full.nbytes / 3.5  # 1 byte + a 4-byte scale per 64 values, against 4 bytes
-    assert isinstance(int8, LayerKV)
