@@ -112,7 +112,6 @@ class EngineThread(EngineFront):
 
     def __init__(self, engine: LLMEngine) -> None:
         super().__init__()
-        self.engine = engine
         self.stats = engine.stats()
         self._channel = _ThreadChannel(self._on_message)
         self._thread = threading.Thread(target=core.serve, args=(engine, self._channel), name="servegate-engine",
