@@ -69,6 +69,19 @@ MAX_TOKEN_ID = 2**31 - 1  # likewise the largest token id (int32)
 NANO_USD_PER_USD = 10**9
 
 
+def check_sampling(request: GenerateRequest) -> None:
+    """The sampling ranges every runtime here means the same by, for the backends that run the
+    model themselves (remote runtimes check their own and answer in their words)."""
+    if request.max_tokens is not None and request.max_tokens < 1:
+        raise InvalidRequest(f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
+    if request.temperature < 0:
+        raise InvalidRequest("temperature must be >= 0", param="temperature")
+    if not 0 < request.top_p <= 1:
+        raise InvalidRequest("top_p must be in (0, 1]", param="top_p")
+    if request.top_k < 0:
+        raise InvalidRequest("top_k must be >= 0 (0 disables it)", param="top_k")
+
+
 def completion_limit(max_tokens: int | None, context: int, prompt_tokens: int) -> int:
     """The most tokens a completion may take: `max_tokens` where the request sets it, else what the
     context leaves after the prompt (at least one)."""

@@ -44,6 +44,7 @@ from .base import (
     Unavailable,
     UpstreamError,
     Usage,
+    check_sampling,
     reported_count,
     text_only,
 )
@@ -138,7 +139,7 @@ class LlamaCppServerBackend(OpenAICompatBackend):
         return Health.LOADING if status == 503 and not self.python_server else super().health_of(status)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        check_sampling(request)
+        check_llamacpp_sampling(request)
         self._check_forced_tool_call(request)
         produced = False
         try:
@@ -249,15 +250,12 @@ OPENAI_RANGES = {"presence_penalty": (-2, 2), "frequency_penalty": (-2, 2), "top
                  "logprobs": (0, MAX_LOGPROBS), "n_probs": (0, MAX_LOGPROBS)}
 
 
-def check_sampling(request: GenerateRequest) -> None:
+def check_llamacpp_sampling(request: GenerateRequest) -> None:
     """llama.cpp does not check sampling ranges (llama-server runs a top_p of 1.5 as no cut, a
     presence penalty of 100 as given) nor cap log-probabilities (asked for 100,000, llama-server
     sends the whole vocabulary's with every token, megabytes each): its adapters refuse what
     OpenAI's API refuses."""
-    if request.temperature < 0:
-        raise InvalidRequest("temperature must be >= 0", param="temperature")
-    if not 0 < request.top_p <= 1:
-        raise InvalidRequest("top_p must be in (0, 1]", param="top_p")
+    check_sampling(request)
     for name, (low, high) in OPENAI_RANGES.items():
         value = request.extra.get(name)  # chat's `logprobs` is a switch (a bool), not a count
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not low <= value <= high:
@@ -338,9 +336,7 @@ class LlamaCppBackend(Backend):
             raise InvalidRequest("llama.cpp slots generate one sequence per request: n must be 1", param="n")
         if request.prompt_token_ids is not None:
             raise InvalidRequest("send text or messages; token ids are not accepted here", param="prompt")
-        if request.max_tokens is not None and request.max_tokens < 1:
-            raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
-        check_sampling(request)
+        check_llamacpp_sampling(request)
         self.admit_extras(request)  # whoever calls the engine directly gets the same refusal
 
     def _run(self, slot, request: GenerateRequest, emit, cancelled: threading.Event) -> None:

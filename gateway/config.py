@@ -44,7 +44,7 @@ class BackendSpec(BaseModel):
     @field_validator("kind")
     @classmethod
     def _known(cls, kind: str) -> str:
-        kinds = [k for k in RUNTIMES if k != "litellm"]  # cloud providers are configured with --litellm
+        kinds = [k for k in RUNTIMES if k != "litellm"]  # litellm providers are not declared in servegate.yaml
         if kind not in kinds:
             raise ValueError(f"unknown kind {kind!r}: one of {', '.join(kinds)}")
         return kind

@@ -25,6 +25,7 @@ from ..base import (
     TokenSpan,
     Unavailable,
     Usage,
+    check_sampling,
     prompt_text_bytes,
     servegate_version,
     text_only,
@@ -187,14 +188,7 @@ class BuiltinBackend(Backend):
     def _sampling_params(self, info: CoreInfo, request: GenerateRequest, num_prompt_tokens: int,
                          tool_use: ToolUse | None) -> SamplingParams:
         request = self.admit_extras(request)  # whoever calls the engine directly gets the same refusal
-        if request.max_tokens is not None and request.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
-        if request.temperature < 0:
-            raise InvalidRequest("temperature must be >= 0", param="temperature")
-        if not 0 < request.top_p <= 1:
-            raise InvalidRequest("top_p must be in (0, 1]", param="top_p")
-        if request.top_k < 0:
-            raise InvalidRequest("top_k must be >= 0 (0 disables it)", param="top_k")
+        check_sampling(request)
         if not 1 <= request.n <= MAX_N:
             raise InvalidRequest(f"n must be between 1 and {MAX_N}", param="n")
         if request.n > 1 and request.temperature < 1e-5:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 
+from ..base import completion_limit
 from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .kv_cache import KVCacheManager
@@ -29,8 +30,7 @@ def check_request(limit: int, num_prompt_tokens: int, max_tokens: int | None) ->
             f"This model's maximum context length is {limit} tokens. However, your prompt has "
             f"{num_prompt_tokens} tokens, leaving no room for output."
         )
-    if max_tokens is None:
-        return limit - num_prompt_tokens
+    max_tokens = completion_limit(max_tokens, limit, num_prompt_tokens)
     if num_prompt_tokens + max_tokens > limit:
         raise OverflowError(
             f"This model's maximum context length is {limit} tokens. However, you requested "
