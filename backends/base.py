@@ -22,6 +22,12 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class Tokenized:
+    backend: str  # the backend's name: its tokenizer made the ids
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """What to generate. Exactly one of `prompt`, `prompt_token_ids`, `messages` is set."""
 
@@ -44,6 +50,9 @@ class GenerateRequest:
     # Prefix-cache namespace: cached prompt blocks serve only requests of the same salt (the
     # gateway gives each tenant its own), where the runtime can keep them apart.
     cache_salt: str | None = None
+    # The prompt as a backend tokenized it to count it (`Backend.tokenize_prompt`): that backend
+    # runs these ids rather than tokenizing again; any other ignores them. Never sent upstream.
+    tokenized: Tokenized | None = None
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
@@ -383,6 +392,11 @@ class Backend(abc.ABC):
         """Prompt tokens, for quota reservations and for billing where the runtime does not say:
         exact where a backend tokenizes itself, else `prompt_upper_bound`."""
         return prompt_upper_bound(request)
+
+    async def tokenize_prompt(self, request: GenerateRequest) -> Tokenized | None:
+        """The prompt as this backend will run it, where it tokenizes prompts itself (the caller
+        passes it back in `GenerateRequest.tokenized`, so a prompt is tokenized once); else None."""
+        return None
 
     def min_prompt_tokens(self, request: GenerateRequest) -> int:
         """A cheap lower bound of the prompt's tokens, known before counting them (which may cost

@@ -67,7 +67,7 @@ LLAMA_CPP_SERVER = frozenset({
 HARMLESS = frozenset({"user", "parallel_tool_calls", "metadata", "store", "service_tier"})
 
 # servegate's own engine: the sampling knobs and structured outputs it implements
-# (backends/builtin/sampler.py, structured.py), in OpenAI's and vLLM's spellings.
+# (backends/builtin/core/sampler.py, structured.py), in OpenAI's and vLLM's spellings.
 BUILTIN = HARMLESS | STRUCTURED | {
     "min_p", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
     "top_logprobs", "response_format", "tools", "tool_choice", "echo",

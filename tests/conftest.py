@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from backends.builtin.config import EngineConfig
-from backends.builtin.engine import LLMEngine
-from backends.builtin.loader import default_model_path, gguf_to_hf_dir, load_model
+from backends.builtin.core.engine import LLMEngine
+from backends.builtin.worker.loader import default_model_path, gguf_to_hf_dir, load_model
 from backends.launch import free_port  # noqa: F401  (the tests import it from here)
 
 _engines: list[LLMEngine] = []
@@ -222,7 +222,7 @@ def wait_ready(base_url: str, timeout: float = 120, path: str = "/ready", proces
     fails if it takes longer than `timeout` or if `process` (a Popen) exits meanwhile. The
     timeout starts once the native kernels are built: a server starting on a checkout without
     them builds them first (minutes on 2 cores), and this build waits on that one's lock."""
-    from backends.builtin import kernels
+    from backends.builtin.worker import kernels
 
     kernels.load()
     deadline = time.monotonic() + timeout

@@ -20,7 +20,7 @@ import httpx
 
 from advisor.measure.baselines import free_port
 from backends import peers
-from backends.builtin.loader import default_model_path, gguf_to_hf_dir
+from backends.builtin.worker.loader import default_model_path, gguf_to_hf_dir
 from backends.launch import supervised
 
 FIXTURES = Path(__file__).parent / "fixtures"

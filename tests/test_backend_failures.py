@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from advisor.measure.baselines import free_port, llama_cpp_command
-from backends.builtin.loader import default_model_path
+from backends.builtin.worker.loader import default_model_path
 from backends.cpu import for_this_cpu
 from backends.llamacpp import LlamaCppServerBackend, llama_server_config
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.builtin.sequence import SamplingParams
+from backends.builtin.core.sequence import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -104,7 +104,7 @@ def test_llama_cpp_python_server_runs_under_the_guard():
 def test_dtype_auto_takes_bf16_only_where_the_cpu_multiplies_it_natively(monkeypatch):
     import torch
 
-    from backends.builtin.model_runner import pick_dtype
+    from backends.builtin.worker.model_runner import pick_dtype
 
     cpu_device = torch.device("cpu")
     for flags, expected in [({"avx2", "fma"}, None), ({"avx512f", "avx512_bf16"}, "AVX512-BF16")]:

@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backends.builtin.sequence import SamplingParams
+from backends.builtin.core.sequence import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -261,11 +261,11 @@ async def test_a_burst_arriving_over_a_few_milliseconds_shares_one_first_step(ma
     scheduling cannot decide the test)."""
     import asyncio
 
-    from backends.builtin import core
+    from backends.builtin.core import loop
     from backends.builtin.front import EngineThread
 
-    monkeypatch.setattr(core, "ARRIVAL_GAP_S", 0.5)
-    monkeypatch.setattr(core, "ARRIVAL_WAIT_S", 2.0)
+    monkeypatch.setattr(loop, "ARRIVAL_GAP_S", 0.5)
+    monkeypatch.setattr(loop, "ARRIVAL_WAIT_S", 2.0)
     engine = make_engine(tiny_model, dtype="float64")
     front = EngineThread(engine)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.builtin.models.llama import RMSNorm, rotate_half
+from backends.builtin.worker.models.llama import RMSNorm, rotate_half
 from backends.cpu import bf16_native
 
 
 def filled_cache(kv_dtype: str, dtype: torch.dtype, head_dim: int = 64, kv_heads: int = 3):
-    from backends.builtin.attention import LayerKV
+    from backends.builtin.worker.attention import LayerKV
 
     torch.manual_seed(0)
     kv = LayerKV.allocate(64, 16, kv_heads, head_dim, dtype, torch.device("cpu"), int8=kv_dtype == "int8")
@@ -28,8 +28,8 @@ def filled_cache(kv_dtype: str, dtype: torch.dtype, head_dim: int = 64, kv_heads
 def test_native_kernel_equals_the_pytorch_path(dtype, kv_dtype, head_dim):
     import copy
 
-    from backends.builtin import kernels
-    from backends.builtin.attention import AttentionMetadata, paged_attention
+    from backends.builtin.worker import kernels
+    from backends.builtin.worker.attention import AttentionMetadata, paged_attention
 
     kv = filled_cache(kv_dtype, dtype, head_dim)
     assert kernels.available(torch.device("cpu"), kv.data.dtype, head_dim), kernels._failed
@@ -60,7 +60,7 @@ def test_chunk_kernel_on_amx_tiles_equals_its_bf16_pairs(head_dim):
     """Where AMX runs, bf16 chunks take the kernel's tile products: they equal its VDPBF16PS walk
     (the path of every other AVX512-BF16 CPU) for whole prompts over several 128-token items,
     chunks after cached tokens, and chunks whose rows fill no whole 16-row tile."""
-    from backends.builtin import kernels
+    from backends.builtin.worker import kernels
 
     if not kernels.chunk_amx(torch.bfloat16):
         pytest.skip(f"AMX bf16 tiles do not run here (this CPU multiplies bf16 with {bf16_native() or 'neither'})")
@@ -83,7 +83,7 @@ def test_gathered_attention_equals_dense_attention(dtype):
     one; the queries a view into a wider tensor, as the model's split of its QKV projection gives them."""
     import copy
 
-    from backends.builtin.attention import AttentionMetadata, paged_attention
+    from backends.builtin.worker.attention import AttentionMetadata, paged_attention
 
     kv = filled_cache("auto", dtype)
     tables = [[3, 7, 9, 11, 20], [1, 2], [30, 31, 32], [40]]
@@ -111,7 +111,7 @@ def decode_gap(kv, tables: list[list[int]], ctx: list[int], heads: int, dtype: t
     token per table (head size 64, random queries, keys and values)."""
     import copy
 
-    from backends.builtin.attention import AttentionMetadata, paged_attention
+    from backends.builtin.worker.attention import AttentionMetadata, paged_attention
 
     kv_heads = kv.data.shape[3]
     q, k, v = (torch.randn(len(tables), h, 64).to(dtype) for h in (heads, kv_heads, kv_heads))
@@ -186,8 +186,8 @@ def test_native_layer_ops_in_float32_stay_within_float32_rounding():
 def test_native_bf16_linear_rounds_float32_sums_once():
     """The native bf16 GEMM (AVX512-BF16): exact products, float32 sums, one rounding to bf16, as
     oneDNN's; rows in groups of 8 and items of up to 256, columns in blocks of 16 and items of 6."""
-    from backends.builtin import kernels
-    from backends.builtin.model_runner import PackedLinear, PairedLinear
+    from backends.builtin.worker import kernels
+    from backends.builtin.worker.model_runner import PackedLinear, PairedLinear
 
     ops = kernels.load()
     assert ops is not None, kernels._failed
@@ -218,7 +218,7 @@ def test_native_bf16_linear_rounds_float32_sums_once():
 
 
 def kernels_layer_ops(dtype):
-    from backends.builtin import kernels
+    from backends.builtin.worker import kernels
 
     ops = kernels.layer_ops(torch.device("cpu"), dtype)
     assert ops is not None, kernels._failed

@@ -2,8 +2,8 @@
 
 import torch
 
-from backends.builtin.kv_cache import KVCacheManager
-from backends.builtin.sequence import SamplingParams, Sequence
+from backends.builtin.core.kv_cache import KVCacheManager
+from backends.builtin.core.sequence import SamplingParams, Sequence
 
 from .test_kernels import filled_cache
 
@@ -112,7 +112,7 @@ def test_fork_shares_blocks_and_copies_partial_block_on_write():
 
 
 def test_int8_cache_stays_close_to_full_precision():
-    from backends.builtin.attention import LayerKV
+    from backends.builtin.worker.attention import LayerKV
 
     full, int8 = filled_cache("auto", torch.float32), filled_cache("int8", torch.float32)
     tables = torch.tensor([[5, 6, 7]])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.builtin.models.llama import LlamaConfig, rope_inv_freq
+from backends.builtin.worker.models.llama import LlamaConfig, rope_inv_freq
 
 
 @pytest.mark.parametrize("scaling", [

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from backends.builtin.detokenizer import Detokenizer
-from backends.builtin.sampler import _filtered
+from backends.builtin.core.detokenizer import Detokenizer
+from backends.builtin.core.sampler import _filtered
 
 TEXT = "Café ☕ 東京 🚀🎉 naïve — ok"
 

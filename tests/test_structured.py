@@ -18,8 +18,8 @@ import torch
 from pydantic import BaseModel, Field
 
 from backends.builtin import BuiltinBackend, EngineConfig
-from backends.builtin.sampler import sample
-from backends.builtin.sequence import SamplingParams, Sequence
+from backends.builtin.core.sampler import sample
+from backends.builtin.core.sequence import SamplingParams, Sequence
 from backends.tokenization import vocabulary_bytes
 
 from .conftest import ADMIN_KEY, AUTH, gateway_app, serve_app, wait_ready
@@ -320,7 +320,7 @@ def test_tool_conversations_through_the_sdk(base_url):
 def test_a_call_begun_under_auto_must_be_a_valid_one(default_model):
     """auto leaves text free, but once the model writes <tool_call> the grammar holds it to a
     known function and its schema (the 135M model rarely chooses to call on its own)."""
-    from backends.builtin.structured import Grammars
+    from backends.builtin.core.structured import Grammars
     from backends.builtin.tools import ToolUse
 
     tok = default_model.tokenizer

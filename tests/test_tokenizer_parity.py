@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from backends import peers
-from backends.builtin.loader import default_model_path, load_tokenizer
+from backends.builtin.worker.loader import default_model_path, load_tokenizer
 
 from .conftest import provisioned_or_skip
 

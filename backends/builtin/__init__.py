@@ -1,43 +1,27 @@
 """servegate's built-in engine: paged KV cache, prefix caching, continuous batching, in PyTorch.
 The engine (and PyTorch) load on first use, so reading `EngineConfig` stays cheap.
 
-Its modules by the process they run in (vLLM v1's split; with `engine_process` off, the core
+Its packages by the process they run in (vLLM v1's split; with `engine_process` off, the core
 runs on a thread of the API process instead, the same loop):
 
-API process (HTTP's): requests in, streamed outputs out
-  backend     the `Backend` adapter: validation, chat templates, tokenization, events
-  front       each request's asyncio stream; starts the core (process or thread), sends it commands
-  tools       tool calls rendered into prompts and parsed back out of the text
-  logprobs    token logprobs in OpenAI's two shapes
-Both sides of the boundary
-  protocol    the typed commands and messages between the two processes
-  config      `EngineConfig`
-Core process: the engine core
-  core        the command loop (`serve`) and the process's entry (`run`)
-  engine      `LLMEngine.step`: schedule -> run the model and sample -> the scheduler applies it
-  scheduler   continuous batching; the one writer of a sequence's state after a step
-  kv_cache    block pool, block tables and prefix caching
-  sequence    a sequence's state
-  sampler     next tokens from logits
-  detokenizer incremental text and stop strings
-  structured  grammar masks (its `check` validates constraints in the API process too)
-Model worker (in the core process): the model's forward pass
-  model_runner  a scheduled batch -> inputs, KV cache tensors, logits
-  attention     attention over the paged KV cache
-  kernels       the native CPU kernels (csrc/)
-  models/       the model architectures
-  loader        model files -> config, weights, tokenizer (the API process loads the tokenizer
-                with it too); gguf_file and gguf_tokenizer read GGUF metadata and tokenizers
+- this package, in the API process: `backend` (the `Backend` adapter: validation, chat templates,
+  tokenization, events), `front` (each request's asyncio stream; starts the core, sends it
+  commands), `tools` (tool calls into prompts and out of text), `logprobs`; and what both sides
+  share: `protocol` (the typed commands and messages between the processes) and `config`;
+- `core/`, the engine core's process: the command loop, the step, the scheduler, the KV cache,
+  sampling, detokenization and grammar masks;
+- `worker/`, the model worker in the core process: the forward pass, attention, the native
+  kernels, the architectures and the model loader (whose tokenizer the API process loads too).
 """
 
-from .config import EngineConfig
+from backends.builtin.config import EngineConfig
 
 __all__ = ["BuiltinBackend", "EngineConfig"]
 
 
 def __getattr__(name: str):
     if name == "BuiltinBackend":
-        from .backend import BuiltinBackend
+        from backends.builtin.backend import BuiltinBackend
 
         return BuiltinBackend
     raise AttributeError(name)

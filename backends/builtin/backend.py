@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .. import fields
-from ..base import (
+from backends import fields
+from backends.base import (
     MAX_LOGPROBS,
     Backend,
     Capabilities,
@@ -22,6 +21,7 @@ from ..base import (
     Health,
     InvalidRequest,
     Load,
+    Tokenized,
     TokenSpan,
     Unavailable,
     Usage,
@@ -30,20 +30,19 @@ from ..base import (
     servegate_version,
     text_only,
 )
-from ..constraints import constraint_of
-from . import logprobs, tools
-from .config import EngineConfig
-from .engine import LLMEngine, check_request
-from .front import EngineFront, EngineProcess, EngineThread
-from .loader import default_model_path, load_tokenizer, model_dir, model_name
-from .protocol import CoreInfo, SamplingParams
-from .structured import check
-from .tools import ToolCallParser, ToolUse
+from backends.builtin import logprobs, tools
+from backends.builtin.config import EngineConfig
+from backends.builtin.core.engine import LLMEngine, check_request
+from backends.builtin.core.structured import check
+from backends.builtin.front import EngineFront, EngineProcess, EngineThread
+from backends.builtin.protocol import CoreInfo, SamplingParams
+from backends.builtin.tools import ToolCallParser, ToolUse
+from backends.builtin.worker.loader import default_model_path, load_tokenizer, model_dir, model_name
+from backends.constraints import constraint_of
 
 log = logging.getLogger("servegate.builtin")
 
 MAX_N = 16
-COUNTED_KEPT = 1024  # counted prompts awaiting their generate()
 TOKENIZER_THREADS = 2  # templating and tokenizing run here, off the event loop; more requests wait their turn
 
 
@@ -63,7 +62,6 @@ class BuiltinBackend(Backend):
         self._load_error: BaseException | None = None
         # Prompt ids counted for a quota reservation, kept for the request's generate(): a prompt
         # is templated and tokenized once. Bounded: a request refused after counting never comes.
-        self._counted: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
         self._tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix=f"{name}-tokenize")
         self._longest_token = 1  # bytes: what `min_prompt_tokens` divides a prompt's bytes by
 
@@ -118,7 +116,8 @@ class BuiltinBackend(Backend):
     # -- generation ---------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         info, front = self._ready()
-        prompt_ids = self._counted.pop(_prompt_key(request), None) or await self._off_loop(
+        tokenized = request.tokenized
+        prompt_ids = list(tokenized.ids) if tokenized and tokenized.backend == self.name else await self._off_loop(
             self._prompt_ids, info, request)
         tool_use = ToolUse.of(request.extra)
         params = self._sampling_params(info, request, len(prompt_ids), tool_use)
@@ -246,11 +245,11 @@ class BuiltinBackend(Backend):
         )
 
     async def count_prompt_tokens(self, request: GenerateRequest) -> int:
+        return len((await self.tokenize_prompt(request)).ids)
+
+    async def tokenize_prompt(self, request: GenerateRequest) -> Tokenized:
         info, _ = self._ready()
-        ids = self._counted[_prompt_key(request)] = await self._off_loop(self._prompt_ids, info, request)
-        while len(self._counted) > COUNTED_KEPT:
-            self._counted.popitem(last=False)
-        return len(ids)
+        return Tokenized(self.name, tuple(await self._off_loop(self._prompt_ids, info, request)))
 
     def min_prompt_tokens(self, request: GenerateRequest) -> int:
         """No token of this vocabulary spans more than its longest token's bytes."""
@@ -263,11 +262,6 @@ class BuiltinBackend(Backend):
     def _spans(self, text: str) -> list[TokenSpan]:
         encoded = self.tokenizer(text, return_offsets_mapping=True)
         return [TokenSpan(i, text[a:b], a, b) for i, (a, b) in zip(encoded["input_ids"], encoded["offset_mapping"])]
-
-
-def _prompt_key(request: GenerateRequest) -> tuple[str, str]:
-    """A request's prompt, whichever form it came in, under its id."""
-    return request.request_id, repr((request.prompt, request.messages, request.prompt_token_ids))
 
 
 def _number(extra: dict, name: str, kind: type, default, low, high):

@@ -1,6 +1,6 @@
 """The API process's side of the engine: each request's asyncio stream over an engine core that
 steps elsewhere, in a process of its own (`EngineProcess`, the default) or on a thread of this
-process (`EngineThread`). Both run the core's one loop (`core.serve`). Requests and aborts go to
+process (`EngineThread`). Both run the core's one loop (`loop.serve`). Requests and aborts go to
 it as commands, taking effect at its next step boundary; its messages come back on a thread
 other than the event loop's and are handed to the streams' loops.
 """
@@ -13,11 +13,11 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable
 
-from ..base import InvalidRequest, UpstreamError
-from . import core
-from .config import EngineConfig
-from .engine import LLMEngine
-from .protocol import (
+from backends.base import InvalidRequest, UpstreamError
+from backends.builtin.config import EngineConfig
+from backends.builtin.core import loop
+from backends.builtin.core.engine import LLMEngine
+from backends.builtin.protocol import (
     Abort,
     AddRequest,
     Command,
@@ -114,7 +114,7 @@ class EngineThread(EngineFront):
         super().__init__()
         self.stats = engine.stats()
         self._channel = _ThreadChannel(self._on_message)
-        self._thread = threading.Thread(target=core.serve, args=(engine, self._channel), name="servegate-engine",
+        self._thread = threading.Thread(target=loop.serve, args=(engine, self._channel), name="servegate-engine",
                                         daemon=True)
         self._thread.start()
 
@@ -138,7 +138,7 @@ class EngineProcess(EngineFront):
         super().__init__()
         context = multiprocessing.get_context("spawn")  # never fork a process holding torch's threads
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=core.run, args=(config, child), name="servegate-engine-core",
+        self._process = context.Process(target=loop.run, args=(config, child), name="servegate-engine-core",
                                         daemon=True)
         self._process.start()
         child.close()

@@ -5,8 +5,8 @@ character: its text then shows U+FFFD and `bytes` says what it is)."""
 
 from __future__ import annotations
 
-from ..tokenization import vocabulary_bytes
-from .protocol import Logprob
+from backends.builtin.protocol import Logprob
+from backends.tokenization import vocabulary_bytes
 
 
 class TokenTexts:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ..constraints import Constraint
+from backends.constraints import Constraint
 
 
 class SamplingParams(msgspec.Struct, frozen=True):

@@ -21,8 +21,8 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from ..base import InvalidRequest
-from ..constraints import Constraint
+from backends.base import InvalidRequest
+from backends.constraints import Constraint
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # Compact arguments (a small model left free to indent loops on whitespace).

@@ -207,7 +207,12 @@ class Call:
             if prompt_text_bytes(self.request) > PRECHECK_BYTES:  # refused before the count, where counting takes time
                 cost = price.cost(at_least, (self.request.max_tokens or 1) * n) if price else 0
                 await self.shared.quotas.check(scopes, tokens, cost)
-            self.prompt_tokens = min(await backend.count_prompt_tokens(self.request), context or MAX_TOKENS)
+            if tokenized := await backend.tokenize_prompt(self.request):  # run as counted, not tokenized again
+                self.request = dataclasses.replace(self.request, tokenized=tokenized)
+                counted = len(tokenized.ids)
+            else:
+                counted = await backend.count_prompt_tokens(self.request)
+            self.prompt_tokens = min(counted, context or MAX_TOKENS)
             completion = completion_limit(self.request.max_tokens, context or UNKNOWN_CONTEXT, self.prompt_tokens)
             self.completion_bound = completion * n
             tokens = self.prompt_tokens + self.completion_bound

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import AttentionMetadata, LayerKV, paged_attention
+from backends.builtin.worker.attention import AttentionMetadata, LayerKV, paged_attention
 
 
 @dataclass(frozen=True)

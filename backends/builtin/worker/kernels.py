@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..cpu import bf16_native, cpu_flags
+from backends.cpu import bf16_native, cpu_flags
 
 log = logging.getLogger("servegate.kernels")
 CSRC = Path(__file__).parent / "csrc"

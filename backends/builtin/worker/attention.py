@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import kernels
+from backends.builtin.worker import kernels
 
 
 @dataclass

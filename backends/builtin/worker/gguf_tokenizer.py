@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .gguf_file import gguf_field
+from backends.builtin.worker.gguf_file import gguf_field
 
 # GPT-2's pattern, as llama.cpp spells it.
 GPT2 = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)"

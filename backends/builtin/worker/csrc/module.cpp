@@ -1,4 +1,4 @@
-// The native CPU kernels' Python bindings (built by backends/builtin/kernels.py).
+// The native CPU kernels' Python bindings (built by backends/builtin/worker/kernels.py).
 #include <torch/extension.h>
 
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,

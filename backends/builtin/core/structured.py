@@ -18,7 +18,7 @@ import functools
 import numpy
 import torch
 
-from ..constraints import Constraint
+from backends.constraints import Constraint
 
 # Compact JSON: a small model left free to indent tends to emit whitespace until max_tokens.
 JSON_OPTIONS = {"whitespace_flexible": False}

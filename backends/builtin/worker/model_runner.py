@@ -6,14 +6,14 @@ import warnings
 
 import torch
 
-from ..cpu import bf16_native
-from . import kernels
-from .attention import AttentionMetadata, LayerKV
-from .config import EngineConfig
-from .loader import LoadedModel
-from .models.llama import LlamaForCausalLM, pack_weights, rope_inv_freq
-from .scheduler import ScheduledBatch
-from .sequence import Sequence
+from backends.builtin.config import EngineConfig
+from backends.builtin.core.scheduler import ScheduledBatch
+from backends.builtin.core.sequence import Sequence
+from backends.builtin.worker import kernels
+from backends.builtin.worker.attention import AttentionMetadata, LayerKV
+from backends.builtin.worker.loader import LoadedModel
+from backends.builtin.worker.models.llama import LlamaForCausalLM, pack_weights, rope_inv_freq
+from backends.cpu import bf16_native
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 

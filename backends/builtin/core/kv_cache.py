@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from .sequence import Sequence
+from backends.builtin.core.sequence import Sequence
 
 BlockKey = tuple[int | str | None, tuple[int, ...]]  # (parent hash, or the first block's cache salt; token ids)
 

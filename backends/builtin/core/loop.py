@@ -14,9 +14,9 @@ import logging
 import time
 from typing import Protocol
 
-from .config import EngineConfig
-from .engine import LLMEngine
-from .protocol import (
+from backends.builtin.config import EngineConfig
+from backends.builtin.core.engine import LLMEngine
+from backends.builtin.protocol import (
     Abort,
     AddRequest,
     Command,

@@ -14,9 +14,9 @@ import itertools
 
 import torch
 
-from . import structured
-from .protocol import Logprob
-from .sequence import Sequence
+from backends.builtin.core import structured
+from backends.builtin.core.sequence import Sequence
+from backends.builtin.protocol import Logprob
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int] = frozenset()

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .detokenizer import Detokenizer
-from .protocol import SamplingParams
-from .structured import Matcher
+from backends.builtin.core.detokenizer import Detokenizer
+from backends.builtin.core.structured import Matcher
+from backends.builtin.protocol import SamplingParams
 
 
 class Status(enum.Enum):

@@ -27,10 +27,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from .config import EngineConfig
-from .kv_cache import KVCacheManager
-from .protocol import Logprob, StepOutput
-from .sequence import Sequence, Status
+from backends.builtin.config import EngineConfig
+from backends.builtin.core.kv_cache import KVCacheManager
+from backends.builtin.core.sequence import Sequence, Status
+from backends.builtin.protocol import Logprob, StepOutput
 
 
 @dataclass

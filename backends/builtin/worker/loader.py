@@ -20,9 +20,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..default_model import default_model_path
-from .gguf_file import gguf_field
-from .models.llama import LlamaConfig
+from backends.builtin.worker.gguf_file import gguf_field
+from backends.builtin.worker.models.llama import LlamaConfig
+from backends.default_model import default_model_path
 
 CONVERTER_VERSION = "2"  # bump when the conversion changes, to invalidate caches
 SUPPORTED_ARCHITECTURES = {"llama"}
@@ -115,7 +115,7 @@ def _write_tokenizer(path: Path, directory: Path, max_length: int) -> None:
     otherwise transformers' own conversion."""
     from gguf import GGUFReader
 
-    from . import gguf_tokenizer
+    from backends.builtin.worker import gguf_tokenizer
 
     reader = GGUFReader(path)
     if gguf_tokenizer.buildable(reader):

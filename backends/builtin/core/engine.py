@@ -7,17 +7,17 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 
-from ..base import completion_limit
-from .config import EngineConfig
-from .detokenizer import Detokenizer
-from .kv_cache import KVCacheManager
-from .loader import LoadedModel, load_model
-from .model_runner import ModelRunner
-from .protocol import CoreInfo, SamplingParams, Stats, StepOutput
-from .sampler import sample
-from .scheduler import ModelOutput, ScheduledBatch, Scheduler
-from .sequence import Sequence
-from .structured import Grammars
+from backends.base import completion_limit
+from backends.builtin.config import EngineConfig
+from backends.builtin.core.detokenizer import Detokenizer
+from backends.builtin.core.kv_cache import KVCacheManager
+from backends.builtin.core.sampler import sample
+from backends.builtin.core.scheduler import ModelOutput, ScheduledBatch, Scheduler
+from backends.builtin.core.sequence import Sequence
+from backends.builtin.core.structured import Grammars
+from backends.builtin.protocol import CoreInfo, SamplingParams, Stats, StepOutput
+from backends.builtin.worker.loader import LoadedModel, load_model
+from backends.builtin.worker.model_runner import ModelRunner
 
 
 def check_request(limit: int, num_prompt_tokens: int, max_tokens: int | None) -> int:
