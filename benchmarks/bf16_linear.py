@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from backends.builtin import kernels
-from backends.builtin.model_runner import PackedLinear, PairedLinear
+from backends.builtin.worker import kernels
+from backends.builtin.worker.model_runner import PackedLinear, PairedLinear
 
 SHAPES = [(960, 576, 30), (576, 576, 30), (3072, 576, 30), (576, 1536, 30), (49152, 576, 1)]  # (N, K, layers)
 

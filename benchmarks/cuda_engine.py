@@ -28,9 +28,9 @@ from quant_accuracy import TOPICS, chat_prompt
 
 from advisor.measure.metrics import RequestResult, summarize
 from backends.builtin.config import EngineConfig
-from backends.builtin.engine import LLMEngine
-from backends.builtin.loader import load_model, model_dir
-from backends.builtin.sequence import SamplingParams
+from backends.builtin.core.engine import LLMEngine
+from backends.builtin.core.sequence import SamplingParams
+from backends.builtin.worker.loader import load_model, model_dir
 
 OPENINGS = ["The three laws of thermodynamics are", "def fibonacci(n):", "Once upon a time, in a small village,",
             "The capital of France is", "Photosynthesis is the process by which"]

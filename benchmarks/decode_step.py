@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from backends.builtin.config import EngineConfig
-from backends.builtin.engine import LLMEngine
-from backends.builtin.sequence import SamplingParams
+from backends.builtin.core.engine import LLMEngine
+from backends.builtin.core.sequence import SamplingParams
 
 
 def timed(fn, repeat: int, device: torch.device | None = None) -> float:
@@ -96,8 +96,8 @@ def kernel_ms(engine: LLMEngine, batch: int, context: int, repeat: int) -> float
     tokens with `context` keys each, in the engine's dtype, each layer its own cache with its blocks
     in a random order (one cache read 30 times would stay in the CPU's last-level cache); None where
     the kernel is off."""
-    from backends.builtin import kernels
-    from backends.builtin.attention import LayerKV
+    from backends.builtin.worker import kernels
+    from backends.builtin.worker.attention import LayerKV
 
     if not engine.runner.use_kernel:
         return None
@@ -133,7 +133,7 @@ def main() -> None:
     parser.add_argument("--shared", type=int, default=0, help="tokens of that prefix (with --groups)")
     args = parser.parse_args()
     if args.onednn:
-        from backends.builtin import kernels
+        from backends.builtin.worker import kernels
 
         kernels.bf16_linear = lambda device, dtype: None  # the runner then prepacks every Linear for oneDNN
     engine = LLMEngine(EngineConfig(kv_cache_tokens=args.batch * (args.context + args.steps + 32),

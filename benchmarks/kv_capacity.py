@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 
 from backends.builtin.config import EngineConfig
-from backends.builtin.engine import LLMEngine
-from backends.builtin.sequence import SamplingParams
+from backends.builtin.core.engine import LLMEngine
+from backends.builtin.core.sequence import SamplingParams
 
 
 def main() -> None:

@@ -25,10 +25,10 @@ import time
 
 import torch
 
-from backends.builtin import kernels
 from backends.builtin.config import EngineConfig
-from backends.builtin.engine import LLMEngine
-from backends.builtin.sequence import SamplingParams
+from backends.builtin.core.engine import LLMEngine
+from backends.builtin.core.sequence import SamplingParams
+from backends.builtin.worker import kernels
 
 
 def prefill_step_s(engine: LLMEngine, prompts: int, length: int, salt: int, prefix: list[int]) -> float:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from advisor.measure.baselines import free_port, servegate_env  # noqa: E402
 from backends import peers  # noqa: E402
-from backends.builtin.loader import default_model_path, gguf_to_hf_dir  # noqa: E402
+from backends.builtin.worker.loader import default_model_path, gguf_to_hf_dir  # noqa: E402
 from backends.launch import supervised  # noqa: E402
 from backends.openai_compat import Samples  # noqa: E402
 

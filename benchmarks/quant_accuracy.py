@@ -14,9 +14,9 @@ import argparse
 import torch
 
 from backends.builtin.config import EngineConfig
-from backends.builtin.engine import LLMEngine
-from backends.builtin.loader import load_model
-from backends.builtin.sequence import SamplingParams
+from backends.builtin.core.engine import LLMEngine
+from backends.builtin.core.sequence import SamplingParams
+from backends.builtin.worker.loader import load_model
 
 TOPICS = ["the sea", "gravity", "a city at night", "prime numbers", "bread", "the moon", "trains", "winter",
           "a library", "volcanoes", "chess", "rain", "bees", "deserts", "music", "friendship"]

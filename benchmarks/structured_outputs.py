@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from advisor.measure.baselines import servegate_command, servegate_env  # noqa: E402
 from backends import peers  # noqa: E402
-from backends.builtin.loader import default_model_path, gguf_to_hf_dir, load_tokenizer  # noqa: E402
+from backends.builtin.worker.loader import default_model_path, gguf_to_hf_dir, load_tokenizer  # noqa: E402
 from backends.launch import free_port, supervised  # noqa: E402
 
 SCHEMAS = json.loads((Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "json_schemas.json").read_text())
@@ -117,7 +117,7 @@ def measure(url: str, key: str, model: str, args) -> dict:
 
 
 def servegate_compile_times(model_dir: Path, vocab_size: int) -> list[float]:
-    from backends.builtin.structured import Grammars, grammar, mask
+    from backends.builtin.core.structured import Grammars, grammar, mask
     from backends.constraints import Constraint
 
     grammars = Grammars(load_tokenizer(model_dir), vocab_size, [2])

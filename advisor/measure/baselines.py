@@ -205,7 +205,7 @@ def system_target(name: str, model: str | None = None, flags: Sequence[str] = ()
     """A started peer, as a bench target, all on the same model file (default: the default GGUF);
     `flags` go on its server's command line, after those set here, so they win (e.g. vLLM's
     `--block-size 32`)."""
-    from backends.builtin.loader import default_model_path, gguf_to_hf_dir
+    from backends.builtin.worker.loader import default_model_path, gguf_to_hf_dir
 
     from .targets import BackendTarget, OpenAITarget
 

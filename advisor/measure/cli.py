@@ -43,7 +43,7 @@ SHOWN = (  # the summary keys printed after a run (the JSON holds them all)
 def load_tokenizer(path: str | None):
     from transformers import AutoTokenizer
 
-    from backends.builtin.loader import default_model_path, gguf_to_hf_dir
+    from backends.builtin.worker.loader import default_model_path, gguf_to_hf_dir
 
     source = Path(path) if path else default_model_path()
     return AutoTokenizer.from_pretrained(gguf_to_hf_dir(source) if source.suffix == ".gguf" else source)
