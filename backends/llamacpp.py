@@ -298,7 +298,7 @@ class LlamaCppBackend(Backend):
     def path(self) -> Path:
         if self.config.model:
             return Path(self.config.model)
-        from .builtin.loader import default_model_path
+        from .default_model import default_model_path
 
         return default_model_path()
 

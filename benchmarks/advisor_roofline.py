@@ -21,7 +21,7 @@ from pathlib import Path
 from advisor.advise import Workload, advise
 from advisor.hardware import local
 from advisor.model_facts import resolve
-from backends.builtin.worker.loader import default_model_path
+from backends.default_model import default_model_path
 
 RUNTIMES = ("builtin", "llama-cpp")  # the advisor's runtime ids, also bench's backend and peer names
 BENCH = [sys.executable, "-c", "from gateway.cli import app; app()", "bench"]

@@ -88,7 +88,7 @@ def test_parameters_derived_from_configs_match_the_published_counts():
 def test_weights_estimate_within_2_percent_of_real_files(default_model_dir):
     """The default GGUF (read from its tensor types) and a safetensors model (estimated from its
     config alone) against the bytes on disk."""
-    from backends.builtin.worker.loader import default_model_path
+    from backends.default_model import default_model_path
 
     gguf = default_model_path()
     spec = resolve(str(gguf))
@@ -107,7 +107,7 @@ def test_a_measured_machine_is_read_at_the_models_row_width_and_not_derated_agai
     where a datasheet figure gets the published 0.8."""
     from dataclasses import replace
 
-    from backends.builtin.worker.loader import default_model_path
+    from backends.default_model import default_model_path
 
     gguf = str(default_model_path())
     assert resolve(gguf).hidden_size == 576 and resolve("Qwen/Qwen3-32B").hidden_size == 5120
@@ -332,7 +332,7 @@ def test_measure_benchmarks_a_live_candidate_beside_its_estimate():
     """--measure against a real llama-cpp-python server on the default GGUF: the report carries the
     bench's figures next to the estimate, and how far off the estimate was."""
     from advisor.measure.baselines import free_port, llama_cpp_command, server_process
-    from backends.builtin.worker.loader import default_model_path
+    from backends.default_model import default_model_path
 
     gguf = default_model_path()
     url = f"http://127.0.0.1:{free_port()}"

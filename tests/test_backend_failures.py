@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from advisor.measure.baselines import free_port, llama_cpp_command
-from backends.builtin.worker.loader import default_model_path
 from backends.cpu import for_this_cpu
+from backends.default_model import default_model_path
 from backends.llamacpp import LlamaCppServerBackend, llama_server_config
 
 from .conftest import AUTH, gateway_app, serve_app, wait_ready

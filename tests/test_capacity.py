@@ -52,7 +52,7 @@ def test_missing_fields_are_named_not_guessed():
 @pytest.mark.slow
 def test_weights_of_real_files_match_their_sizes(default_model_dir, tiny_model_dir):
     from advisor.capacity import gguf_weights, safetensors_weights
-    from backends.builtin.worker.loader import default_model_path
+    from backends.default_model import default_model_path
 
     gguf = default_model_path()
     weights = gguf_weights(gguf)

@@ -41,7 +41,7 @@ from backends.base import (
     Load,
 )
 from backends.builtin import BuiltinBackend, EngineConfig
-from backends.builtin.worker.loader import default_model_path
+from backends.default_model import default_model_path
 from backends.llamacpp import LlamaCppBackend, LlamaCppConfig, LlamaCppServerBackend, llama_server_config
 from backends.openai_compat import OpenAICompatConfig
 from backends.peers import llama_server, llama_server_command

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from advisor.measure.baselines import free_port
-from backends.builtin.worker.loader import default_model_path
+from backends.default_model import default_model_path
 from backends.launch import LaunchError, LaunchSpec, command
 from backends.llamacpp import LlamaCppServerBackend, llama_server_config
 

@@ -13,7 +13,7 @@ import pytest
 
 from advisor.measure.baselines import free_port, llama_cpp_command, server_process
 from backends.base import ContextTooLong, GenerateRequest, Health, InvalidRequest, Usage
-from backends.builtin.worker.loader import default_model_path
+from backends.default_model import default_model_path
 from backends.llamacpp import LlamaCppServerBackend, llama_server_config
 from backends.openai_compat import OpenAICompatConfig
 from backends.sglang import SGLangBackend
