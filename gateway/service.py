@@ -169,9 +169,9 @@ class Gateway:
         shadow runs at the same time, through the same admission and timeouts, unbilled (and
         untraced). An answer that finished waits (briefly) for its quota settlement before the
         block ends, so a client that sends its next request on seeing the end finds its slot free."""
-        request = dataclasses.replace(request, max_tokens=self._max_tokens(principal, request.max_tokens))
-        if not self.settings.shared_prefix_cache:
-            request = dataclasses.replace(request, cache_salt=prefix_cache_salt(principal.tenant.name))
+        salt = request.cache_salt if self.settings.shared_prefix_cache else prefix_cache_salt(principal.tenant.name)
+        request = dataclasses.replace(request, max_tokens=self._max_tokens(principal, request.max_tokens),
+                                      cache_salt=salt)
         if decision.shadow is not None:
             mirrored = Call(self.shared, principal, dataclasses.replace(decision, candidates=[decision.shadow]),
                             dataclasses.replace(request, request_id=f"{request.request_id}-shadow"), api, stream,

@@ -211,11 +211,11 @@ class CalibrationReport:
 def calibrate(eff: Efficiency, left_out: dict[str, float | None] | None = None) -> CalibrationReport:
     """Every point's estimate by `eff`; with `left_out` (`fit.left_out`: each point's estimate by a
     fit made without its source), those beside them."""
-    chosen = points()
-    rows = evaluate(eff, chosen)
+    rows = evaluate(eff)
     leave_out = left_out is not None
-    for row in rows if leave_out else ():
-        row.held_out_estimate = left_out[row.point.id]
+    if leave_out:
+        for row in rows:
+            row.held_out_estimate = left_out[row.point.id]
     regimes = {}
     for regime in REGIMES:
         members = [r for r in rows if regime in r.point.regimes]
