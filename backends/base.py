@@ -28,6 +28,15 @@ class Tokenized:
 
 
 @dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter of a backend's base model: the name requests use, where its weights lie (a
+    PEFT directory, or a GGUF LoRA file from llama.cpp's converter, for the runtimes that read one)."""
+
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """What to generate. Exactly one of `prompt`, `prompt_token_ids`, `messages` is set."""
 
@@ -53,6 +62,9 @@ class GenerateRequest:
     # The prompt as a backend tokenized it to count it (`Backend.tokenize_prompt`): that backend
     # runs these ids rather than tokenizing again; any other ignores them. Never sent upstream.
     tokenized: Tokenized | None = None
+    # The LoRA adapter to apply, by the name its backend knows it (`Backend.load_adapter`); None:
+    # the base model.
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
@@ -172,6 +184,11 @@ class Capabilities:
     chat: bool = True
     features: frozenset[str] = frozenset()  # e.g. {"n", "seed", "stop", "logprobs"}
     price: Price | None = None  # the provider's list price, where it publishes one
+    # LoRA: how many adapters a step may mix (0: the backend serves none), their largest rank, and the
+    # adapters it can serve now (loaded, whether in its compute slots or not).
+    max_loras: int = 0
+    max_lora_rank: int = 0
+    adapters: frozenset[str] = frozenset()
 
 
 class Health(enum.StrEnum):
@@ -188,6 +205,8 @@ class Load:
     prefix_hit_rate: float | None = None  # hit tokens / queried tokens
     # Runtime-specific figures (KV blocks, preemptions...): gauges, or running totals named *_total.
     details: dict[str, float] = field(default_factory=dict)
+    # LoRA adapters in compute slots now (a request for one runs without loading it first).
+    resident_adapters: frozenset[str] = frozenset()
 
 
 class BackendError(Exception):
@@ -412,3 +431,12 @@ class Backend(abc.ABC):
 
     async def tokenize(self, text: str) -> list[TokenSpan]:
         raise InvalidRequest(f"backend {self.name!r} does not offer tokenization")
+
+    async def load_adapter(self, adapter: Adapter) -> None:
+        """Make a LoRA adapter servable under its name (`GenerateRequest.adapter`); loading one that
+        is loaded already is a no-op. InvalidRequest where the weights cannot serve this model."""
+        raise InvalidRequest(f"backend {self.name!r} does not serve LoRA adapters", param="model")
+
+    async def unload_adapter(self, name: str) -> None:
+        """Forget an adapter; requests running with it finish first. ModelNotFound where unknown."""
+        raise ModelNotFound(f"backend {self.name!r} has no adapter {name!r}", param="model")
