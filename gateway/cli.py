@@ -23,6 +23,9 @@ keys_app = typer.Typer(help="API keys (stored only as hashes; a new key is shown
 app.add_typer(db_app, name="db")
 app.add_typer(tenants_app, name="tenants")
 app.add_typer(keys_app, name="keys")
+adapters_app = typer.Typer(help="LoRA adapters: called by name as models, served on their base's backends.",
+                           no_args_is_help=True)
+app.add_typer(adapters_app, name="adapters")
 routes_app = typer.Typer(help="Routes: a model alias -> versioned targets, with canary and rollback.",
                          no_args_is_help=True)
 app.add_typer(routes_app, name="routes")
@@ -324,6 +327,56 @@ def keys_rotate(prefix: str) -> None:
     typer.echo(created.key)
 
 
+@adapters_app.command("add")
+def adapters_add(
+    name: Annotated[str, typer.Argument(help="The model name clients send for it.")],
+    base: Annotated[str, typer.Option(help="The served model or route alias it applies to.")],
+    path: Annotated[str, typer.Option(help="Where its backends read it: a directory, a file or a hub id.")],
+    owner: Annotated[str | None, typer.Option(help="Its tenant (default: the operator's own).")] = None,
+    tenants: Annotated[str, typer.Option(help="Tenants that may use it besides its owner, comma separated.")] = "",
+    rpm: Annotated[int | None, typer.Option(help="Requests per minute, all its users together.")] = None,
+    tpm: Annotated[int | None, typer.Option(help="Tokens per minute, all its users together.")] = None,
+    daily_budget_usd: Annotated[float | None, typer.Option(help="Spend per UTC day, USD.")] = None,
+    monthly_budget_usd: Annotated[float | None, typer.Option(help="Spend per UTC month, USD.")] = None,
+) -> None:
+    """Register a LoRA adapter; every replica serves it within the refresh interval."""
+    from pydantic import ValidationError
+
+    from gateway.tenancy.adapters import AdapterIn, create_adapter
+    from gateway.tenancy.tenants import cli_actor
+
+    with _session() as session:
+        try:
+            data = AdapterIn(name=name, base=base, path=path, owner=owner, tenants=[t for t in tenants.split(",") if t],
+                             rpm=rpm, tpm=tpm, daily_budget_usd=daily_budget_usd, monthly_budget_usd=monthly_budget_usd)
+        except ValidationError as exc:
+            _fail(f"{'.'.join(map(str, exc.errors()[0]['loc']))}: {exc.errors()[0]['msg']}")
+        adapter = create_adapter(session, cli_actor(), data)
+    typer.echo(f"added adapter {adapter.name} on {adapter.base}")
+
+
+@adapters_app.command("list")
+def adapters_list(owner: Annotated[str | None, typer.Option(help="Only this tenant's.")] = None,
+                  as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """List adapters, their bases, owners, tenants and limits."""
+    from gateway.tenancy.adapters import list_adapters
+
+    with _session() as session:
+        _print(list_adapters(session, owner), as_json,
+               ["name", "base", "path", "owner", "tenants", "rpm", "tpm", "daily_budget_usd", "monthly_budget_usd"])
+
+
+@adapters_app.command("remove")
+def adapters_remove(name: str) -> None:
+    """Remove an adapter; requests stop finding it within the refresh interval."""
+    from gateway.tenancy.adapters import delete_adapter
+    from gateway.tenancy.tenants import cli_actor
+
+    with _session() as session:
+        adapter = delete_adapter(session, cli_actor(), name)
+    typer.echo(f"removed adapter {adapter.name}")
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def launch(
     ctx: typer.Context,
@@ -403,8 +456,8 @@ def usage(
     t = report.totals
     typer.echo(f"{t.requests} requests, {t.prompt_tokens} prompt tokens ({t.cached_tokens} cached), "
                f"{t.completion_tokens} completion tokens, ${t.cost_usd:,.6f}")
-    columns = ["started_at", "tenant", "key_prefix", "model", "status", "prompt_tokens", "completion_tokens",
-               "cost_nano_usd", "latency_ms"]
+    columns = ["started_at", "tenant", "key_prefix", "model", "adapter", "status", "prompt_tokens",
+               "completion_tokens", "cost_nano_usd", "latency_ms"]
     _print(report.records, False, columns)
 
 

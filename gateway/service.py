@@ -30,7 +30,7 @@ from gateway.rollout import shadow
 from gateway.rollout.canary import CanaryGuard
 from gateway.settings import Settings
 from gateway.tenancy import budgets, ledger
-from gateway.tenancy.auth import Directory, Principal
+from gateway.tenancy.auth import AdapterView, Directory, Principal
 from gateway.tenancy.ledger import UsageLedger
 from gateway.tenancy.quotas import MemoryQuotaStore, QuotaExceeded, QuotaStore, RedisQuotaStore, Reservation, Spent
 from policies.rollout import ROLLOUT, load_rollout
@@ -151,11 +151,34 @@ class Gateway:
     def visible_models(self, principal: Principal) -> list[str]:
         return [m for m in self.router.models() if principal.may_use(m)]
 
+    def usable_adapter(self, principal: Principal, name: str | None) -> AdapterView | None:
+        """The LoRA adapter `name` names, where the caller may use it: its tenant's own or one shared
+        with it, on a base it may use and this gateway serves; else None. A served model or route
+        alias of the same name wins over an adapter."""
+        adapter = self.directory.adapters.get(name or "")
+        models = self.router.models()
+        if adapter is None or name in models or adapter.base not in models or not principal.may_use(adapter.base) \
+                or not adapter.allows(principal.tenant.name):
+            return None
+        return adapter
+
+    def usable_adapters(self, principal: Principal) -> list[AdapterView]:
+        return [a for name in sorted(self.directory.adapters) if (a := self.usable_adapter(principal, name))]
+
+    def cache_salt(self, principal: Principal) -> str | None:
+        """The caller's prefix-cache namespace; None where tenants share the cache."""
+        return None if self.settings.shared_prefix_cache else prefix_cache_salt(principal.tenant.name)
+
     def resolve(self, principal: Principal, model: str | None, prompt: str = "", max_tokens: int | None = None,
                 stream: bool = False, trace: RequestTrace = OFF) -> Decision:
-        facts = RequestFacts(principal.tenant.name, principal.tenant.tier, prompt, max_tokens or 0, stream)
+        """Where the request goes. A model naming an adapter the caller may use routes as the
+        adapter's base, with the adapter; one it may not use is not found, as an unknown model."""
+        adapter = self.usable_adapter(principal, model)
+        facts = RequestFacts(principal.tenant.name, principal.tenant.tier, prompt, max_tokens or 0, stream,
+                             adapter.name if adapter else None, self.cache_salt(principal))
         with trace.step("gateway.route") as span:
-            decision = self.router.resolve(model, self.visible_models(principal), facts)
+            decision = self.router.resolve(adapter.base if adapter else model, self.visible_models(principal), facts)
+            decision.adapter = adapter
             if span.is_recording():
                 span.set_attributes(decided(decision))
         return decision
@@ -169,9 +192,9 @@ class Gateway:
         shadow runs at the same time, through the same admission and timeouts, unbilled (and
         untraced). An answer that finished waits (briefly) for its quota settlement before the
         block ends, so a client that sends its next request on seeing the end finds its slot free."""
-        salt = request.cache_salt if self.settings.shared_prefix_cache else prefix_cache_salt(principal.tenant.name)
         request = dataclasses.replace(request, max_tokens=self._max_tokens(principal, request.max_tokens),
-                                      cache_salt=salt)
+                                      cache_salt=self.cache_salt(principal) or request.cache_salt,
+                                      adapter=decision.adapter.name if decision.adapter else None)
         if decision.shadow is not None:
             mirrored = Call(self.shared, principal, dataclasses.replace(decision, candidates=[decision.shadow]),
                             dataclasses.replace(request, request_id=f"{request.request_id}-shadow"), api, stream,
@@ -219,7 +242,7 @@ class Gateway:
             raise ContextTooLong(f"The inputs hold at least {at_least} tokens, more than the model's context of "
                                  f"{context} tokens.", param="inputs")
         try:
-            reservation = await self.quotas.reserve(principal.quota_scopes(), at_least)
+            reservation = await self.quotas.reserve(principal.quota_scopes(decision.adapter), at_least)
         except QuotaExceeded as exc:
             self.metrics.quota_rejections.labels(principal.tenant.name, exc.limit).inc()
             raise refusal(exc, at_least, 0) from None
@@ -255,6 +278,7 @@ class Gateway:
             self.spawn(self._settle_recounted(outcome))
             return None
         tenant, model, usage = outcome.principal.tenant.name, outcome.decision.model, outcome.usage
+        adapter = outcome.decision.adapter.name if outcome.decision.adapter else ""
         record = self._row(outcome)
         self.ledger.record(record)
         settling = self.spawn(self._settle_quotas(outcome)) if outcome.reservation is not None else None
@@ -266,14 +290,17 @@ class Gateway:
         elif mirrored is not None:  # a failed or abandoned primary has nothing to compare with
             mirrored.cancel()
         m = self.metrics
-        m.requests.labels(tenant, model, outcome.backend, outcome.status).inc()
+        m.requests.labels(tenant, model, outcome.backend, outcome.status, adapter).inc()
         m.e2e.labels(model).observe(outcome.latency_ms / 1000)
         for kind in ("prompt", "completion", "cached"):
-            m.tokens.labels(tenant, model, kind).inc(getattr(usage, f"{kind}_tokens"))
+            m.tokens.labels(tenant, model, kind, adapter).inc(getattr(usage, f"{kind}_tokens"))
         m.spend.labels(tenant, model).inc(outcome.cost / NANO_USD_PER_USD)
-        extra = {k: record[k] for k in ("request_id", "tenant", "model", "status", "error_type", "prompt_tokens",
-                                         "completion_tokens", "cost_nano_usd", "ttft_ms", "latency_ms")}
+        extra = {k: record[k] for k in ("request_id", "tenant", "model", "adapter", "status", "error_type",
+                                         "prompt_tokens", "completion_tokens", "cost_nano_usd", "ttft_ms",
+                                         "latency_ms")}
         extra["route"] = outcome.route
+        if outcome.adapter_load_ms:
+            extra["adapter_load_ms"] = outcome.adapter_load_ms
         if outcome.tried[:-1]:
             extra["failed_over"] = list(outcome.tried[:-1])
         if self.settings.log_prompts:
@@ -288,6 +315,7 @@ class Gateway:
         return {
             "request_id": outcome.request_id, "tenant": outcome.principal.tenant.name,
             "key_prefix": outcome.principal.key_prefix, "model": outcome.decision.model, "backend": outcome.backend,
+            "adapter": outcome.decision.adapter.name if outcome.decision.adapter else None,
             "route": _route_label(outcome.decision), "api": outcome.api, "stream": outcome.stream,
             "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "cached_tokens": usage.cached_tokens, "cost_nano_usd": outcome.cost, "ttft_ms": outcome.ttft_ms,

@@ -65,18 +65,23 @@ def nano_usd(dollars: Decimal | None) -> int | None:
     return None if dollars is None else int(dollars * NANO_USD_PER_USD)
 
 
-class Limits(SQLModel):
-    """Quota limits; None means unlimited. Tenants carry them, and keys may narrow them."""
+class UsageLimits(SQLModel):
+    """Requests and tokens per minute and spend: the limits every scope may carry, an adapter too."""
 
     rpm: int | None = Field(default=None, ge=1, le=MAX_LIMIT, description="Requests per minute.")
     tpm: int | None = Field(default=None, ge=1, le=MAX_LIMIT, description="Tokens (prompt + completion) per minute.")
-    tokens_per_day: int | None = Field(default=None, ge=1, le=MAX_LIMIT)
-    max_concurrency: int | None = Field(default=None, ge=1, le=MAX_LIMIT, description="Requests in flight at once.")
-    max_tokens_per_request: int | None = Field(default=None, ge=1, le=MAX_LIMIT, description="Cap on max_tokens.")
     daily_budget_usd: Dollars | None = Field(default=None, gt=0, le=MAX_USD, decimal_places=9, sa_type=Usd,
                                              description="Spend per UTC day, in USD (prices: SERVEGATE_PRICES).")
     monthly_budget_usd: Dollars | None = Field(default=None, gt=0, le=MAX_USD, decimal_places=9, sa_type=Usd,
                                                description="Spend per UTC calendar month, in USD.")
+
+
+class Limits(UsageLimits):
+    """Quota limits; None means unlimited. Tenants carry them, and keys may narrow them."""
+
+    tokens_per_day: int | None = Field(default=None, ge=1, le=MAX_LIMIT)
+    max_concurrency: int | None = Field(default=None, ge=1, le=MAX_LIMIT, description="Requests in flight at once.")
+    max_tokens_per_request: int | None = Field(default=None, ge=1, le=MAX_LIMIT, description="Cap on max_tokens.")
 
 
 class Tenant(Limits, table=True):
@@ -129,6 +134,22 @@ class Route(SQLModel, table=True):
     created_at: datetime = Field(default_factory=utcnow)
 
 
+class AdapterRecord(UsageLimits, table=True):
+    """A LoRA adapter clients call by its name as a model: served on its base's backends, by the
+    tenants it names and its owner's (an operator's adapter has no owner); its limits bind every use
+    of it, whoever calls."""
+
+    __tablename__ = "adapter"
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(index=True, unique=True, max_length=128)
+    base: str = Field(max_length=128)  # the served model or route alias it applies to
+    path: str = Field(max_length=1024)  # where its backends read its weights
+    owner: str | None = Field(default=None, max_length=64)  # a tenant's name; None: the operator's
+    tenants: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))  # besides the owner
+    created_at: datetime = Field(default_factory=utcnow)
+
+
 class UsageRecord(SQLModel, table=True):
     __tablename__ = "usage"
 
@@ -137,6 +158,7 @@ class UsageRecord(SQLModel, table=True):
     key_prefix: str | None = Field(default=None, max_length=16)
     model: str = Field(max_length=128)
     backend: str = Field(max_length=64)
+    adapter: str | None = Field(default=None, max_length=128)  # the LoRA adapter applied; None: the base model
     route: str = Field(default="", max_length=128)
     api: str = Field(default="openai", max_length=16)  # openai | tgi
     stream: bool = False

@@ -218,7 +218,8 @@ def test_rpm_admits_exactly_the_limit_out_of_50_concurrent(gw):
     assert 1 <= int(refused.headers["retry-after"]) <= 60
     metrics = httpx.get(f"{gw.url}/metrics").text
     assert f'servegate_quota_rejections_total{{limit="rpm",tenant="{name}"}} 40.0' in metrics
-    assert f'servegate_requests_total{{backend="tiny",model="tiny",status="ok",tenant="{name}"}} 10.0' in metrics
+    assert (f'servegate_requests_total{{adapter="",backend="tiny",model="tiny",status="ok",tenant="{name}"}} 10.0'
+            in metrics)
 
 
 def test_tokens_per_minute_are_reserved_in_flight_and_returned_on_disconnect(gw):

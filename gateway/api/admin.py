@@ -1,6 +1,6 @@
-"""Admin API (`/admin/...`): tenants, keys, usage, audit log, routes. An operator administers
-everything; a tenant's administrator (`admin` scope) sees and manages its own tenant's keys and
-usage, within the limits the operator set, and nothing else: another tenant's names answer 404,
+"""Admin API (`/admin/...`): tenants, keys, adapters, usage, audit log, routes. An operator administers
+everything; a tenant's administrator (`admin` scope) sees and manages its own tenant's keys, LoRA
+adapters and usage, within the limits the operator set, and nothing else: another tenant's names answer 404,
 as if they did not exist. Changes take effect in this process at once and on other replicas
 within the refresh interval."""
 
@@ -23,7 +23,8 @@ from gateway.rollout import route_versions, shadow
 from gateway.rollout.canary import verdict
 from gateway.service import Gateway
 from gateway.tables import AuditLog, in_utc, utcnow
-from gateway.tenancy import tenants
+from gateway.tenancy import adapters, tenants
+from gateway.tenancy.adapters import AdapterIn, AdapterOut, AdapterPatch
 from gateway.tenancy.auth import Principal
 from gateway.tenancy.tenants import KeyCreated, KeyIn, KeyOut, TenantIn, TenantOut, TenantPatch, UsageReport
 
@@ -120,6 +121,34 @@ def rotate_key(prefix: str, admin: AdminPrincipal, session: SessionDep, gateway:
     key = tenants.rotate_key(session, admin.subject, prefix, _reach(admin))
     _changed(gateway)
     return key
+
+
+@router.get("/adapters", response_model=list[AdapterOut])
+def list_adapters(admin: AdminPrincipal, session: SessionDep):
+    return adapters.list_adapters(session, _reach(admin))
+
+
+@router.post("/adapters", response_model=AdapterOut, status_code=201)
+def create_adapter(body: AdapterIn, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep):
+    """A tenant administrator's adapter is its tenant's; an operator's is whose `owner` says."""
+    body = body.model_copy(update={"owner": _own(admin, body.owner)})
+    adapter = adapters.create_adapter(session, admin.subject, body, set(gateway.router.models()))
+    _changed(gateway)
+    return adapter
+
+
+@router.patch("/adapters/{name:path}", response_model=AdapterOut)
+def update_adapter(name: str, body: AdapterPatch, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep):
+    adapter = adapters.update_adapter(session, admin.subject, name, body, _reach(admin))
+    _changed(gateway)
+    return adapter
+
+
+@router.delete("/adapters/{name:path}", response_model=AdapterOut)
+def delete_adapter(name: str, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep):
+    adapter = adapters.delete_adapter(session, admin.subject, name, _reach(admin))
+    _changed(gateway)
+    return adapter
 
 
 @router.get("/usage", response_model=UsageReport)

@@ -202,10 +202,10 @@ async def _respond(request: Request, gateway: Gateway, principal: Principal, bod
                    chat: bool, **prompt: Any):
     decision = gateway.resolve(principal, body.model, prompt_text(prompt), body.max_tokens, body.stream,
                                tracing.request_trace(request))
-    model = decision.model
-    generate_request = body.generate_request(model, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", **prompt)
+    generate_request = body.generate_request(decision.model, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                                             **prompt)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    responder = Responder(chat, model, include_usage, generate_request.request_id)
+    responder = Responder(chat, decision.asked, include_usage, generate_request.request_id)
     started = await client_call.start(gateway, request, principal, decision, generate_request, "openai", body.stream)
     if body.stream:
         return StreamingResponse(responder.stream(started.events, body.n), media_type="text/event-stream",
@@ -236,9 +236,13 @@ async def completions(request: Request, body: CompletionRequest, principal: Infe
 
 @router.get("/models")
 async def list_models(principal: InferencePrincipal, gateway: GatewayDep):
-    """The models the caller's tenant may use."""
+    """The models the caller's tenant may use, then its LoRA adapters, each with its base as
+    `parent` and `root`, as vLLM lists its `--lora-modules` (where it gives the path as the root,
+    which is no tenant's to see)."""
     created = int(time.time())
     return {"object": "list", "data": [
-        {"id": m, "object": "model", "created": created, "owned_by": "servegate"}
-        for m in gateway.visible_models(principal)
+        *({"id": m, "object": "model", "created": created, "owned_by": "servegate"}
+          for m in gateway.visible_models(principal)),
+        *({"id": a.name, "object": "model", "created": created, "owned_by": a.owner or "servegate", "root": a.base,
+           "parent": a.base} for a in gateway.usable_adapters(principal)),
     ]}

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from backends.base import BackendError, Delta, Finish, GenerateRequest, servegate_version
+from backends.base import BackendError, Delta, Finish, GenerateRequest, ModelNotFound, servegate_version
 from gateway.api import MAX_TOKENS, ClientBody, TokenCount, client_call
 from gateway.api.deps import GatewayDep, InferencePrincipal
 from gateway.errors import GatewayError
@@ -44,6 +44,8 @@ class Parameters(BaseModel):
     details: bool = False
     return_full_text: bool | None = None
     decoder_input_details: bool = False
+    adapter_id: str | None = None  # a LoRA adapter of the model, by its registered name
+
 
 
 class TGIRequest(ClientBody):
@@ -92,8 +94,13 @@ def _tokens(delta: Delta) -> list[Token]:
 
 async def _start(request: Request, gateway: Gateway, principal: Principal, body: TGIRequest, model: str | None,
                  stream: bool) -> tuple[GenerateRequest, client_call.Started]:
-    decision = gateway.resolve(principal, model, body.inputs, body.parameters.max_new_tokens, stream,
+    """`parameters.adapter_id` names the model asked for: an adapter (of `model`, where that is given)."""
+    adapter_id = body.parameters.adapter_id
+    decision = gateway.resolve(principal, adapter_id or model, body.inputs, body.parameters.max_new_tokens, stream,
                                tracing.request_trace(request))
+    if adapter_id and (decision.adapter is None or model and decision.model != model):
+        raise ModelNotFound(f"The adapter `{adapter_id}` does not exist or you do not have access to it.",
+                            param="adapter_id")
     generate_request = _request(body, decision.model)
     started = await client_call.start(gateway, request, principal, decision, generate_request, "tgi", stream)
     return generate_request, started

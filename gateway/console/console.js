@@ -153,6 +153,36 @@ const pages = {
       ], keys)];
   },
 
+  async adapters() {
+    const adapters = await api("GET", "/admin/adapters");
+    const numbers = ["rpm", "tpm"], decimals = BUDGETS.map(([n]) => n);
+    const create = h("form", { "aria-label": "Register an adapter", onsubmit: async event => {
+      event.preventDefault();
+      const { tenants, ...body } = formValues(event.target, numbers, decimals);
+      body.tenants = (tenants || "").split(",").map(t => t.trim()).filter(Boolean);
+      await act(() => api("POST", "/admin/adapters", body), `Adapter ${body.name} registered.`);
+    } },
+      field("Name (the model clients send)", "name", { required: true, maxlength: 128 }),
+      field("Base model or alias", "base", { required: true, maxlength: 128 }),
+      field("Path", "path", { required: true, maxlength: 1024 }),
+      operator ? field("Owner tenant", "owner", { placeholder: "the operator's" }) : null,
+      field("Also usable by (tenants, comma separated)", "tenants"),
+      field("Requests/min", "rpm", { type: "number", min: 1 }),
+      field("Tokens/min", "tpm", { type: "number", min: 1 }),
+      BUDGETS.map(([name, label]) => field(label, name, { type: "number", min: 0.01, step: 0.01 })),
+      h("button", { type: "submit" }, "Register adapter"));
+    return [h("h2", {}, "LoRA adapters"), h("h3", {}, "New adapter"), create, table(`${adapters.length} adapters`, [
+      ["Name", a => h("code", {}, a.name)], ["Base", a => a.base], ["Path", a => a.path],
+      ["Owner", a => a.owner ?? "operator"], ["Also usable by", a => a.tenants.join(", ") || "—"],
+      ["Requests/min", a => a.rpm ?? "—"], ["Tokens/min", a => a.tpm ?? "—"],
+      ...BUDGETS.map(([name, title]) => [title, a => a[name] ?? "—"]), ["Created", a => when(a.created_at)],
+      ["", a => h("button", { type: "button", class: "danger", "aria-label": `Remove adapter ${a.name}`,
+        onclick: () => confirm(`Remove adapter ${a.name}? Requests naming it fail within seconds.`) &&
+          act(() => api("DELETE", `/admin/adapters/${encodeURIComponent(a.name)}`), `Adapter ${a.name} removed.`) },
+        "Remove")],
+    ], adapters)];
+  },
+
   async usage() {
     const params = new URLSearchParams(location.hash.split("?")[1] || "");
     const range = params.get("range") || "1h", by = params.get("by") || "model", tenant = params.get("tenant") || "";
@@ -167,7 +197,7 @@ const pages = {
     }, onsubmit: event => event.preventDefault() },
       h("label", {}, "Range", h("select", { name: "range" }, ["1h", "24h", "7d"].map(r =>
         h("option", { value: r, selected: r === range }, r)))),
-      h("label", {}, "Per", h("select", { name: "by" }, ["model", "key", "tenant"].map(g =>
+      h("label", {}, "Per", h("select", { name: "by" }, ["model", "adapter", "key", "tenant"].map(g =>
         h("option", { value: g, selected: g === by }, g)))),
       operator ? field("Tenant", "tenant", { value: tenant, placeholder: "all" }) : null,
       h("button", { type: "button", class: "secondary", onclick: () => download(`/admin/usage/series.csv?${query}`) },

@@ -13,6 +13,10 @@ backend's own usage counts only when it is higher. A request that ended without 
 usage (client gone, backend died) keeps what it sent, for the gateway to have its backend count
 the prompt and the text. A request refused or failed before any answer, or one whose client left
 before it reached a backend, uses nothing and bills nothing.
+
+A request for a LoRA adapter makes sure each backend it tries has it, loading it where the
+backend's capabilities do not list it (timed); a backend that cannot serve adapters is passed
+over, and when none is left the request is refused saying why.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from backends.base import (
     Event,
     Finish,
     GenerateRequest,
+    InvalidRequest,
     Price,
     UpstreamError,
     Usage,
@@ -97,6 +102,7 @@ class Outcome:
     # backend count the prompt and tokenize the text sent without token ids; `usage` holds
     # estimates until then.
     recount: Received | None = None
+    adapter_load_ms: float = 0.0  # spent loading the request's LoRA adapter onto backends
 
     @property
     def request_id(self) -> str:
@@ -168,6 +174,7 @@ class Call:
         self.answered = False  # a backend sent its first event: no failover after it
         self.received = Received()
         self.text: list[str] = []
+        self.adapter_load_s = 0.0
         self.outcome: Outcome | None = None  # set once the request has ended
         self._events: AsyncGenerator[Event, None] | None = None
 
@@ -196,7 +203,8 @@ class Call:
     async def _reserve(self) -> None:
         backend = self.decision.candidates[0]
         capabilities = await backend.capabilities()
-        context, scopes, n = capabilities.max_context, self.principal.quota_scopes(), self.request.n
+        context, n = capabilities.max_context, self.request.n
+        scopes = self.principal.quota_scopes(self.decision.adapter)
         self.price = price = self._price(capabilities)
         at_least = backend.min_prompt_tokens(self.request)
         if context and at_least > context:
@@ -226,6 +234,20 @@ class Call:
                                "(SERVEGATE_QUOTA_REDIS_DOWN=closed).", "service_unavailable",
                                code="quota_store_unavailable", headers={"Retry-After": "1"}) from None
 
+    async def _load_adapter(self, backend: Backend, span) -> None:
+        """The request's adapter made servable on `backend` where its capabilities do not list it
+        (the backend may have dropped it since the fleet last polled); the time it takes is the
+        request's, counted in its outcome, its span and a histogram."""
+        adapter = self.decision.adapter.adapter
+        if adapter.name in (await backend.capabilities()).adapters:
+            return
+        started = time.monotonic()
+        await backend.load_adapter(adapter)
+        took = time.monotonic() - started
+        self.adapter_load_s += took
+        self.shared.metrics.adapter_loads.labels(backend.name).observe(took)
+        span.set_attribute("servegate.adapter.load_s", took)
+
     def _price(self, capabilities: Capabilities) -> Price | None:
         """The configured price of the model asked for, else the backend's list price."""
         return self.shared.settings.prices.get(self.decision.model) or capabilities.price
@@ -243,6 +265,7 @@ class Call:
         timer = StreamTimer(settings.idle_timeout_s, self.started - time.monotonic() + loop.time() + timeout)
         itl, last, finish = metrics.itl.labels(model), 0.0, None
         status, error = "cancelled", None
+        passed_over: list[str] = []  # backends that cannot serve the request's adapter, and why
         try:
             for number, backend in enumerate(candidates, 1):
                 self.backend = backend
@@ -258,6 +281,18 @@ class Call:
                         self.tried.append(backend.name)
                         if self.billed:
                             metrics.overhead.observe(time.monotonic() - self.started)
+                        if self.decision.adapter is not None:
+                            try:
+                                await self._load_adapter(backend, span)
+                            except InvalidRequest as exc:
+                                failure = exc.code
+                                passed_over.append(f"{backend.name}: {exc.message}")
+                                if number == len(candidates):
+                                    raise InvalidRequest(f"no backend of {model!r} can serve the adapter "
+                                                         f"{self.decision.adapter.name!r}: {'; '.join(passed_over)}",
+                                                         param="model") from None
+                                continue
+                        if self.billed:
                             metrics.in_flight.labels(backend.name).inc()
                         events = backend.generate(request)
                         try:
@@ -343,7 +378,8 @@ class Call:
             backend=self.backend.name if self.backend else "", tried=tuple(self.tried),
             ttft_ms=None if self.first_token_at is None else (self.first_token_at - self.started) * 1000,
             latency_ms=(time.monotonic() - self.started) * 1000, started_at=self.started_at, finished_at=utcnow(),
-            reservation=self.reservation, price=self.price, text="".join(self.text), recount=recount)
+            reservation=self.reservation, price=self.price, text="".join(self.text), recount=recount,
+            adapter_load_ms=self.adapter_load_s * 1000)
 
 
     def _reported(self, field: str, value: object, bound: int) -> int | None:

@@ -61,7 +61,7 @@ class Member:
     breaker: Breaker = field(default_factory=Breaker)
     admission: Admission = field(default_factory=unbounded)
     load: Load | None = None  # as last polled
-    capabilities: Capabilities | None = None  # read once it answers
+    capabilities: Capabilities | None = None  # as last polled (the adapters it can serve change)
     down: bool = False  # its health check says so
 
     def available(self, now: float) -> bool:
@@ -77,6 +77,13 @@ class Member:
     @property
     def kv_usage(self) -> float:
         return self.load.kv_usage if self.load else 0.0
+
+    def adapter_rank(self, adapter: str) -> int:
+        """How soon it can serve a LoRA adapter, as last polled: 0 in its compute slots now, 1 loaded
+        (swapped in before the request runs), 2 neither (loaded first)."""
+        if self.load is not None and adapter in self.load.resident_adapters:
+            return 0
+        return 1 if self.capabilities is not None and adapter in self.capabilities.adapters else 2
 
 
 class Fleet:
@@ -129,8 +136,9 @@ class Fleet:
             member.admission.release()
 
     async def poll(self, names: Iterable[str]) -> None:
-        """One round of health and live load (queue, KV usage) for the named members: one that
-        reports itself down is marked so until it is back."""
+        """One round of health, live load (queue, KV usage, resident adapters) and capabilities (the
+        adapters loaded) for the named members: one that reports itself down is marked so until it
+        is back."""
         for name in names:
             member = self.members.get(name)
             if member is None:
@@ -140,8 +148,7 @@ class Fleet:
                 if member.down:
                     continue
                 member.load = await member.backend.load()
-                if member.capabilities is None:
-                    member.capabilities = await member.backend.capabilities()
+                member.capabilities = await member.backend.capabilities()
 
     async def watch(self, names: Callable[[], Iterable[str]], interval_s: float) -> None:
         """Poll the members `names()` gives, every `interval_s`, for the replica's life."""

@@ -3,7 +3,9 @@
 policies/rules) exclude targets and rank the rest; targets are skipped while the fleet says they
 are down or their circuit breaker is open; the choice is weighted, or the least loaded, or the
 replica that last served the prompt's prefix; the other targets and the fallbacks follow as
-retries. One seeded random generator makes every choice reproducible.
+retries. A request for a LoRA adapter goes first to the targets that hold it in their compute
+slots, then to those that have it loaded, then to the others, least loaded first. One seeded
+random generator makes every choice reproducible.
 
 The router holds routing's own state only (the route table, the prefixes it placed, its random
 generator); what it knows of the targets it reads from the fleet, and changes nothing there."""
@@ -20,6 +22,7 @@ from backends.base import Backend, InvalidRequest, ModelNotFound
 from backends.runtimes import matrix_of
 from gateway.inference.fleet import Fleet
 from gateway.rollout.route_versions import PrefixAware, RouteOut, RouteState, Target
+from gateway.tenancy.auth import AdapterView
 from policies import rules
 from policies.matrix import matrices
 
@@ -32,7 +35,8 @@ class RequestFacts:
     prompt: str = ""
     max_tokens: int = 0
     stream: bool = False
-
+    adapter: str | None = None  # the LoRA adapter to apply
+    cache_salt: str | None = None  # the prefix-cache namespace the request will run in
 
 
 @dataclass
@@ -45,13 +49,20 @@ class Decision:
     reason: str = "served model"
     timeout_s: float | None = None  # the route's, over the gateway's request timeout
     shadow: Backend | None = None  # mirror this request to it
+    adapter: AdapterView | None = None  # the LoRA adapter the client asked for, applied on `model`
+
+    @property
+    def asked(self) -> str:
+        """The model as the client named it: the adapter's name where one applies."""
+        return self.adapter.name if self.adapter else self.model
 
     def header(self, backend: str) -> str:
         """The `x-servegate-route` value once `backend` answered."""
+        adapter = f"; adapter={self.adapter.name}" if self.adapter else ""
         if self.alias is None:
-            return f"model={self.model}; backend={backend}"
+            return f"model={self.model}; backend={backend}{adapter}"
         return (f"alias={self.alias}; version={self.version}; variant={self.variant}; backend={backend}; "
-                f"reason={self.reason}")
+                f"reason={self.reason}{adapter}")
 
 
 @dataclass
@@ -61,8 +72,11 @@ class PrefixIndex:
     owners: OrderedDict = field(default_factory=OrderedDict)
 
     @staticmethod
-    def chain(prompt: str, spec: PrefixAware) -> list[bytes]:
-        hashes, previous = [], b""
+    def chain(prompt: str, spec: PrefixAware, adapter: str | None = None, cache_salt: str | None = None) -> list[bytes]:
+        """The prompt's chained block hashes, the chain started from its adapter and cache salt: the
+        same text under another adapter or salt is another cache's, and must not be sent where that
+        one was built."""
+        hashes, previous = [], f"{adapter or ''}\0{cache_salt or ''}".encode()
         for i in range(min(spec.blocks, len(prompt) // spec.block_chars)):
             block = prompt[i * spec.block_chars:(i + 1) * spec.block_chars].encode()
             previous = hashlib.blake2b(previous + block, digest_size=16).digest()
@@ -133,8 +147,8 @@ class Router:
         targets = [t for t in spec.targets if t.backend in fleet]
         fallbacks = list(spec.fallbacks)
         # the prompt's chained block hashes, for prefix-aware choice and the rules' shared-prefix fact
-        hashes = PrefixIndex.chain(facts.prompt, spec.prefix_aware or PrefixAware()) \
-            if spec.rules or spec.prefix_aware else []
+        hashes = PrefixIndex.chain(facts.prompt, spec.prefix_aware or PrefixAware(), facts.adapter,
+                                   facts.cache_salt) if spec.rules or spec.prefix_aware else []
         owner, depth = self.prefixes.owner(hashes)  # who served the longest known prefix, how many blocks
         ruled = ""
         if spec.rules:
@@ -142,14 +156,21 @@ class Router:
         open_ = [t for t in targets if not fleet[t.backend].available(now)]
         ready = [t for t in targets if t not in open_]
         first, reason = None, "weighted"
-        if ready and spec.prefix_aware is not None:
-            first, reason = self._by_prefix(ready, spec.prefix_aware, hashes, owner, depth)
-        if first is None and ready and spec.balance == "least-loaded":
-            first = min(ready, key=lambda t: (fleet[t.backend].waiting, fleet[t.backend].kv_usage, -t.weight))
+        # an adapter's request: the first is chosen among the targets readiest to serve it
+        rank = {t.backend: fleet[t.backend].adapter_rank(facts.adapter) for t in ready} if facts.adapter else {}
+        pool = [t for t in ready if rank[t.backend] == min(rank.values())] if rank else ready
+        if pool and spec.prefix_aware is not None:
+            first, reason = self._by_prefix(pool, spec.prefix_aware, hashes, owner, depth)
+        if first is None and pool and spec.balance == "least-loaded":
+            first = min(pool, key=lambda t: (fleet[t.backend].waiting, fleet[t.backend].kv_usage, -t.weight))
             reason = "least-loaded"
-        if first is None and ready:
-            first = self.rng.choices(ready, weights=[t.weight for t in ready])[0]
-        rest = sorted((t for t in ready if t is not first), key=lambda t: -t.weight)
+        if first is None and pool:
+            first = self.rng.choices(pool, weights=[t.weight for t in pool])[0]
+        if rank:
+            reason = f"adapter {('resident', 'loaded', 'not loaded')[rank[first.backend]]}; {reason}"
+        # the rest by weight, or (an adapter's request) readiest to serve it, then least loaded
+        rest = sorted((t for t in ready if t is not first),
+                      key=lambda t: (rank[t.backend], fleet[t.backend].waiting) if rank else -t.weight)
         names = ([first.backend] if first else []) + [t.backend for t in rest] + fallbacks
         if not names:  # every target's breaker is open: try them anyway rather than refuse outright
             names, reason = [t.backend for t in targets] + fallbacks, "all targets failing"

@@ -27,10 +27,11 @@ def percentile(values: list[float], q: float) -> float | None:
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
+        # `adapter`: the LoRA adapter applied, "" for the base model
         self.requests = Counter("servegate_requests", "Requests by outcome.",
-                                ["tenant", "model", "backend", "status"], registry=r)
+                                ["tenant", "model", "backend", "status", "adapter"], registry=r)
         self.tokens = Counter("servegate_tokens", "Tokens by kind (prompt, completion, cached).",
-                              ["tenant", "model", "kind"], registry=r)
+                              ["tenant", "model", "kind", "adapter"], registry=r)
         self.spend = Counter("servegate_spend_usd", "Spend at the models' prices, in USD.", ["tenant", "model"],
                              registry=r)
         self.quota_rejections = Counter("servegate_quota_rejections", "Requests refused by a quota.",
@@ -44,6 +45,9 @@ class GatewayMetrics:
         self.overhead = Histogram("servegate_overhead_seconds",
                                   "Gateway time before the backend is called (auth, limits, quota).",
                                   buckets=OVERHEAD_BUCKETS, registry=r)
+        self.adapter_loads = Histogram("servegate_adapter_load_seconds",
+                                       "Time a backend took to load a LoRA adapter a request needed.", ["backend"],
+                                       buckets=LATENCY_BUCKETS, registry=r)
         self.canary_actions = Counter("servegate_canary_actions", "Canaries the guard rolled back or promoted.",
                                       ["alias", "action"], registry=r)
         self.in_flight = Gauge("servegate_in_flight", "Requests in flight.", ["backend"], registry=r)

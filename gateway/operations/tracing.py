@@ -133,6 +133,8 @@ def decided(decision) -> dict:
                   "servegate.route.candidates": [b.name for b in decision.candidates]}
     if decision.alias is not None:
         attributes |= {"servegate.route.alias": decision.alias, "servegate.route.version": decision.version}
+    if decision.adapter is not None:
+        attributes["servegate.adapter"] = decision.adapter.name
     return attributes
 
 

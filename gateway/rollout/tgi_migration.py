@@ -9,6 +9,8 @@ SCREAMING_CASE (`--max-total-tokens` / `MAX_TOTAL_TOKENS`; docs/source/reference
 
 from __future__ import annotations
 
+import re
+import shlex
 from dataclasses import dataclass, field
 
 import yaml
@@ -41,7 +43,6 @@ EXTRA: dict[str, tuple[str | None, str | None, str]] = {
     "waiting-served-ratio": (None, None, "TGI scheduler tuning with no counterpart"),
     "speculate": (None, None, "TGI's Medusa/n-gram speculation: use vLLM --speculative-config or SGLang "
                               "--speculative-algorithm with a draft or n-gram method"),
-    "lora-adapters": ("--lora-modules", "--lora-paths", "vLLM also needs --enable-lora"),
     "cuda-graphs": (None, "--cuda-graph-bs", "vLLM captures CUDA graphs by default (--enforce-eager turns them "
                                               "off)"),
     "rope-scaling": (None, None, "pass through --hf-overrides (vLLM) / --json-model-override-args (SGLang)"),
@@ -56,6 +57,7 @@ QUANTIZE = {"awq": ("awq", "awq"), "gptq": ("gptq", "gptq"), "marlin": ("gptq_ma
             "compressed-tensors": ("compressed-tensors", "compressed-tensors"), "eetq": (None, None),
             "exl2": (None, None)}
 KV = {"fp8_e4m3fn": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+LORA_ENTRY = re.compile(r"^([^=@]+)(?:=([^@]+))?(?:@(.+))?$")  # TGI's own pattern
 IGNORED = {"hostname", "port", "prometheus-port", "json-output", "otlp-endpoint", "otlp-service-name",
            "cors-allow-origin", "sharded", "validation-workers", "max-client-batch-size", "usage-stats",
            "payload-limit", "graceful-termination-timeout", "huggingface-hub-cache", "weights-cache-override",
@@ -71,6 +73,24 @@ TRAPS = {
 
 class MigrationError(ValueError):
     """The TGI arguments cannot be read; the message says which."""
+
+
+def lora_adapters(value: str) -> dict[str, str]:
+    """TGI's `--lora-adapters` / `LORA_ADAPTERS`, as adapter name -> path: comma-separated entries,
+    each `id` or `id=path`, optionally with `@revision` (TGI's `parse_lora_adapters` in
+    server/text_generation_server/utils/adapter.py). An adapter without a path is read from the
+    Hub by its id, which is its path for vLLM and SGLang too; a revision has no equivalent there."""
+    adapters = {}
+    for entry in filter(None, (part.strip() for part in value.split(","))):
+        match = LORA_ENTRY.match(entry)
+        if match is None or entry.count("=") > 1 or entry.count("@") > 1:
+            raise MigrationError(f"--lora-adapters {entry!r}: TGI takes `id` or `id=path`, each optionally `@revision`")
+        name, path, revision = match.groups()
+        if revision is not None:
+            raise MigrationError(f"--lora-adapters {entry!r}: vLLM and SGLang take no adapter revision; give the "
+                                 "revision's downloaded directory as `id=path`")
+        adapters[name] = path or name
+    return adapters
 
 
 @dataclass
@@ -123,6 +143,7 @@ def plan(tgi: TGIDeployment, alias: str, tgi_url: str, candidate_url: str, candi
     shards = tgi.int("num-shard") or 1
     context = tgi.int("max-total-tokens")
     kv = tgi.flags.get("kv-cache-dtype")
+    adapters = lora_adapters(tgi.flags.get("lora-adapters", ""))
     if kv is not None and kv not in KV:
         raise MigrationError(f"--kv-cache-dtype {kv!r}: TGI takes fp8_e4m3fn or fp8_e5m2")
     commands, unmapped = {}, []
@@ -138,12 +159,10 @@ def plan(tgi: TGIDeployment, alias: str, tgi_url: str, candidate_url: str, candi
                 raise MigrationError(f"--quantize {q!r} is not one of TGI's ({', '.join(QUANTIZE)})")
             if QUANTIZE[q][side]:
                 extra += ["--quantization", QUANTIZE[q][side]]
-        if runtime == "vllm" and "lora-adapters" in tgi.flags:
-            extra.append("--enable-lora")
         spec = LaunchSpec(runtime=runtime, model=model, port=8001 if runtime == candidate else 8002,
                           context_length=context, tensor_parallel=shards, kv_cache_dtype=KV.get(kv or ""),
                           max_running_requests=tgi.int("max-batch-size"), prefix_caching=tgi.prefix_caching,
-                          extra_args=extra)
+                          lora_modules=adapters, extra_args=extra)
         commands[runtime] = shell_line(spec, portable=True)
     for name, value in tgi.flags.items():
         if name in EXTRA:
@@ -156,7 +175,7 @@ def plan(tgi: TGIDeployment, alias: str, tgi_url: str, candidate_url: str, candi
                              "note": f"{value} has no vLLM/SGLang loader: requantize (AWQ, GPTQ or FP8)"})
         elif name == "speculate" or name in IGNORED or name in (
                 "model-id", "num-shard", "max-total-tokens", "kv-cache-dtype", "max-batch-size", "prefix-caching",
-                "use-prefix-caching", "quantize"):
+                "use-prefix-caching", "quantize", "lora-adapters"):
             continue
         else:
             unmapped.append({"flag": f"--{name}", "value": value, "vllm": None, "sglang": None,
@@ -173,6 +192,9 @@ def plan(tgi: TGIDeployment, alias: str, tgi_url: str, candidate_url: str, candi
     steps = [
         {"step": "start the candidate", "command": commands[candidate]},
         {"step": "put both behind the gateway (servegate.yaml)", "command": "servegate serve --config servegate.yaml"},
+        *({"step": f"register TGI's adapter {name} on the alias (name the tenants that may use it with --tenants)",
+           "command": f"servegate adapters add {shlex.quote(name)} --base {shlex.quote(alias)} "
+                      f"--path {shlex.quote(path)}"} for name, path in adapters.items()),
         {"step": "shadow: TGI keeps answering; 10% of requests are mirrored to the candidate",
          "command": f"servegate routes deploy {alias} -f route-1-shadow.yaml"},
         {"step": "read the comparison (errors, latency, exact match on greedy requests)",
@@ -186,12 +208,14 @@ def plan(tgi: TGIDeployment, alias: str, tgi_url: str, candidate_url: str, candi
     ]
     return {
         "alias": alias, "model": model, "candidate": candidate, "tgi": tgi.flags, "commands": commands,
+        "adapters": [{"name": name, "base": alias, "path": path} for name, path in adapters.items()],
         "unmapped": unmapped, "traps": [TRAPS["vllm"], TRAPS["sglang"]], "servegate_yaml": {"backends": backends},
         "routes": routes, "rollout": guard, "steps": steps,
         "rollback": f"servegate routes rollback {alias}  # ends the canary, or returns to the TGI version",
         "clients": f"TGI clients keep calling POST /generate and /generate_stream, now on the gateway: give their "
                    f"tenants the alias alone (`servegate tenants update TENANT --models {alias}`) and those routes "
-                   f"need no model, or call /tgi/{alias}/generate. OpenAI clients use model {alias!r}.",
+                   f"need no model, or call /tgi/{alias}/generate; `parameters.adapter_id` still picks an adapter. "
+                   f"OpenAI clients use model {alias!r}, or an adapter's id as the model.",
     }
 
 

@@ -1,16 +1,16 @@
 """Who is calling: API keys and JWTs checked against an in-memory directory.
 
-The directory (tenants and keys) is re-read from the database every `refresh_s` in the
-background; the request path only reads memory. If the database is down the last good copy
-keeps serving, so a database outage is not an auth outage. A key made since the last refresh
+The directory (tenants, keys and the LoRA adapters tenants may call) is re-read from the database
+every `refresh_s` in the background; the request path only reads memory. If the database is down
+the last good copy keeps serving, so a database outage is not an auth outage. A key made since the last refresh
 (`servegate keys create`, another replica's admin API) works at its first request: a well-formed
 key missing from memory is looked up in the database, one lookup at a time, and a prefix found
 missing is not asked again for a refresh interval, so garbage keys cannot hammer the database.
 A revoked or expired key stops working within one refresh interval (expiry at once: it is
 checked on every request).
 
-Scopes: `inference` calls models; `admin` administers its own tenant (its keys, usage); `operator`
-administers everything (tenants, their limits, routes, the audit log).
+Scopes: `inference` calls models; `admin` administers its own tenant (its keys, adapters, usage);
+`operator` administers everything (tenants, their limits, routes, the audit log).
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ import jwt
 from sqlalchemy import Engine
 from sqlmodel import Session, select
 
+from backends.base import Adapter
 from gateway.errors import GatewayError
 from gateway.settings import Settings
-from gateway.tables import ApiKey, Limits, Tenant, nano_usd
+from gateway.tables import AdapterRecord, ApiKey, Tenant, UsageLimits, nano_usd
 from gateway.tenancy.keys import hash_key, is_servegate_key, key_prefix, verify
 from gateway.tenancy.quotas import QuotaLimits, Scope
 
@@ -59,6 +60,22 @@ class KeyView:
 
 
 @dataclass(frozen=True)
+class AdapterView:
+    adapter: Adapter  # its name (the model clients ask for) and path, as its backends load it
+    base: str  # the served model or route alias it applies to
+    owner: str | None  # a tenant; None: the operator's
+    tenants: frozenset[str]  # who may use it besides its owner
+    limits: QuotaLimits  # on every use of it, whoever calls
+
+    @property
+    def name(self) -> str:
+        return self.adapter.name
+
+    def allows(self, tenant: str) -> bool:
+        return tenant == self.owner or tenant in self.tenants
+
+
+@dataclass(frozen=True)
 class Principal:
     tenant: TenantView
     subject: str  # the key prefix, or the JWT's subject
@@ -76,10 +93,14 @@ class Principal:
     def may_use(self, model: str) -> bool:
         return not self.tenant.models or model in self.tenant.models
 
-    def quota_scopes(self) -> tuple[Scope, ...]:
+    def quota_scopes(self, adapter: AdapterView | None = None) -> tuple[Scope, ...]:
+        """The tenant's scope, the key's where it has limits, and the adapter's where the request
+        applies one that has limits."""
         scopes = [Scope(f"tenant:{self.tenant.name}", self.tenant.limits)]
         if self.key is not None and self.key.limits != QuotaLimits():
             scopes.append(Scope(f"key:{self.key.prefix}", self.key.limits))
+        if adapter is not None and adapter.limits != QuotaLimits():
+            scopes.append(Scope(f"adapter:{adapter.name}", adapter.limits))
         return tuple(scopes)
 
     @property
@@ -89,10 +110,11 @@ class Principal:
         return min(caps) if caps else None
 
 
-def _limits(row: Limits) -> QuotaLimits:
-    return QuotaLimits(rpm=row.rpm, tpm=row.tpm, tokens_per_day=row.tokens_per_day,
-                       max_concurrency=row.max_concurrency, daily_budget=nano_usd(row.daily_budget_usd),
-                       monthly_budget=nano_usd(row.monthly_budget_usd))
+def _limits(row: UsageLimits) -> QuotaLimits:
+    """A row's limits; an adapter's carry no daily tokens or concurrency."""
+    return QuotaLimits(rpm=row.rpm, tpm=row.tpm, tokens_per_day=getattr(row, "tokens_per_day", None),
+                       max_concurrency=getattr(row, "max_concurrency", None),
+                       daily_budget=nano_usd(row.daily_budget_usd), monthly_budget=nano_usd(row.monthly_budget_usd))
 
 
 def _tenant_view(t: Tenant) -> TenantView:
@@ -104,19 +126,24 @@ def _key_view(k: ApiKey, tenant: Tenant) -> KeyView:
                    k.max_tokens_per_request)
 
 
+def _adapter_view(a: AdapterRecord) -> AdapterView:
+    return AdapterView(Adapter(a.name, a.path), a.base, a.owner, frozenset(a.tenants), _limits(a))
+
+
 def unauthorized(message: str) -> GatewayError:
     return GatewayError(401, message, "invalid_request_error", code="invalid_api_key",
                         headers={"WWW-Authenticate": "Bearer"})
 
 
 class Directory:
-    """Tenants and keys, in memory."""
+    """Tenants, keys and LoRA adapters, in memory."""
 
     def __init__(self, engine: Engine, settings: Settings) -> None:
         self.engine, self.settings = engine, settings
         self.tenants: dict[str, TenantView] = {}
         self.keys: dict[str, KeyView] = {}
         self.chosen: dict[str, KeyView] = {}
+        self.adapters: dict[str, AdapterView] = {}  # by name
         self.loaded_at: datetime | None = None
         self._missing: dict[str, float] = {}  # key prefixes the database did not have, until when
         self._lookup = asyncio.Lock()
@@ -127,14 +154,16 @@ class Directory:
 
     # -- refresh ------------------------------------------------------------------------
     def load(self) -> None:
-        """Read every tenant and live key (blocking: call it off the event loop)."""
+        """Read every tenant, live key and adapter (blocking: call it off the event loop)."""
         with Session(self.engine) as session:
             tenants = session.exec(select(Tenant)).all()
             keys = session.exec(select(ApiKey).where(ApiKey.revoked_at.is_(None))).all()
+            adapters = session.exec(select(AdapterRecord)).all()
         by_id = {t.id: t for t in tenants}
         self.tenants = {t.name: _tenant_view(t) for t in tenants}
         self.keys = {k.prefix: _key_view(k, by_id[k.tenant_id]) for k in keys if k.tenant_id in by_id}
         self.chosen = {view.key_hash: view for view in self.keys.values()}  # keys an operator chose, by hash
+        self.adapters = {a.name: _adapter_view(a) for a in adapters}
         self.loaded_at = datetime.now(UTC)
         self._missing.clear()
         if self._jwks is not None and time.monotonic() - self._jwks_fetched > JWKS_TTL_S:

@@ -224,7 +224,7 @@ class UsageLedger:
 
 
 def spent(engine: Engine, now: float) -> list[Spent]:
-    """What each tenant and key used in the current windows (`quotas.COUNTERS`: this minute's
+    """What each tenant, key and adapter used in the current windows (`quotas.COUNTERS`: this minute's
     requests and tokens, today's tokens and cost, this month's cost), by the ledger: sums in the
     database, a query per window and scope kind."""
     moment = datetime.fromtimestamp(now, UTC)
@@ -240,7 +240,8 @@ def spent(engine: Engine, now: float) -> list[Spent]:
     found = []
     with engine.connect() as connection:
         for since, counters in windows:
-            for kind, column in (("tenant", UsageRecord.tenant), ("key", UsageRecord.key_prefix)):
+            for kind, column in (("tenant", UsageRecord.tenant), ("key", UsageRecord.key_prefix),
+                                 ("adapter", UsageRecord.adapter)):
                 query = select(column, *(total for _, _, total in counters)).where(
                     UsageRecord.started_at >= since, column.is_not(None)).group_by(column)
                 for name, *totals in connection.execute(query):

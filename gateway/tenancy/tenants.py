@@ -252,9 +252,10 @@ def usage_report(session: Session, tenant: str | None = None, since: datetime | 
 
 
 Bucket = Literal["minute", "hour", "day"]
-GroupBy = Literal["model", "key", "tenant"]
+GroupBy = Literal["model", "key", "tenant", "adapter"]
 BUCKETS = {"minute": 60, "hour": 3600, "day": 86_400}
-SERIES_GROUPS = {"model": UsageRecord.model, "key": UsageRecord.key_prefix, "tenant": UsageRecord.tenant}
+SERIES_GROUPS = {"model": UsageRecord.model, "key": UsageRecord.key_prefix, "tenant": UsageRecord.tenant,
+                 "adapter": UsageRecord.adapter}  # the base model's requests: the group ""
 SERIES_MAX_ROWS = 200_000  # records read per series request (about a day at 2 requests/s)
 
 
@@ -270,7 +271,7 @@ class SeriesPoint(BaseModel):
 
 
 class Series(BaseModel):
-    group: str  # the model, key prefix or tenant
+    group: str  # the model, key prefix, tenant or adapter
     points: list[SeriesPoint]
 
 

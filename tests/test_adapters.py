@@ -1,0 +1,289 @@
+"""LoRA adapters as tenants' resources: who may call one (and who finds it missing), where it is
+routed and loaded, what it is billed and limited as, and how TGI's clients and deployments name
+adapters. Gateways run in process over fake backends that serve (or refuse) adapters."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections import Counter
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from backends.base import Adapter, Backend, Capabilities, Delta, Finish, Health, Load, Usage
+from gateway.inference.fleet import Fleet
+from gateway.inference.routing import PrefixIndex, RequestFacts, Router
+from gateway.rollout.route_versions import PrefixAware, RouteOut, RouteSpec, RouteState, Target
+from gateway.rollout.tgi_migration import MigrationError, TGIDeployment, lora_adapters, plan
+
+from .conftest import AUTH, away_from_minute_edge, bearer, gateway_app
+
+PATH = "/adapters/support-v2"
+
+
+class LoraBackend(Backend):
+    """Answers every request with two tokens, remembering what it was asked; serves LoRA adapters
+    unless `lora` is off (then the interface's default refusal stands)."""
+
+    def __init__(self, name: str, lora: bool = True) -> None:
+        self.name, self.lora = name, lora
+        self.loaded: set[str] = set()
+        self.loads: list[Adapter] = []
+        self.requests = []
+
+    async def generate(self, request):
+        self.requests.append(request)
+        yield Delta(0, "hi ", token_ids=(1,))
+        yield Delta(0, "there", token_ids=(2,), finish_reason="stop")
+        yield Finish(("stop",), Usage(3, 2))
+
+    async def capabilities(self) -> Capabilities:
+        return Capabilities(runtime="fake", version="1", model="base", max_context=4096, prefix_caching=True,
+                            max_loras=4 if self.lora else 0, adapters=frozenset(self.loaded))
+
+    async def health(self) -> Health:
+        return Health.READY
+
+    async def load(self) -> Load:
+        return Load()
+
+    async def load_adapter(self, adapter: Adapter) -> None:
+        if not self.lora:
+            return await super().load_adapter(adapter)
+        self.loads.append(adapter)
+        self.loaded.add(adapter.name)
+
+
+@contextlib.asynccontextmanager
+async def running(backends: dict[str, Backend], tmp_path, **settings):
+    """A gateway over `backends`, started, and a client of it."""
+    app = gateway_app(backends, tmp_path, **settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=30) as client:
+            client.gateway = app.state.gateway
+            yield client
+
+
+async def tenant(client: httpx.AsyncClient, name: str, scopes: tuple[str, ...] = ("inference",)) -> dict[str, str]:
+    """A new tenant's key, as request headers."""
+    assert (await client.post("/admin/tenants", json={"name": name}, headers=AUTH)).status_code == 201
+    made = await client.post("/admin/keys", json={"tenant": name, "scopes": list(scopes)}, headers=AUTH)
+    assert made.status_code == 201, made.text
+    return bearer(made.json()["key"])
+
+
+async def register(client: httpx.AsyncClient, headers=AUTH, **fields) -> httpx.Response:
+    return await client.post("/admin/adapters", json={"name": "support", "base": "base", "path": PATH} | fields,
+                             headers=headers)
+
+
+async def complete(client: httpx.AsyncClient, headers: dict, model: str) -> httpx.Response:
+    return await client.post("/v1/completions", json={"model": model, "prompt": "hello", "max_tokens": 4},
+                             headers=headers)
+
+
+async def test_an_adapter_serves_its_owner_and_is_missing_for_another_tenant_exactly_as_an_unknown_model(tmp_path):
+    backend = LoraBackend("one")
+    async with running({"base": backend}, tmp_path) as client:
+        owner, other = await tenant(client, "acme"), await tenant(client, "globex")
+        assert (await register(client, owner="acme")).status_code == 201
+
+        answered = await complete(client, owner, "support")
+        assert answered.status_code == 200, answered.text
+        assert answered.json()["model"] == "support"  # as the client named it
+        assert "adapter=support" in answered.headers["x-servegate-route"]
+        sent = backend.requests[-1]
+        assert (sent.model, sent.adapter) == ("base", "support")
+        assert (await complete(client, owner, "base")).status_code == 200
+        assert backend.requests[-1].adapter is None
+
+        hidden, unknown = await complete(client, other, "support"), await complete(client, other, "nonesuch")
+        assert hidden.status_code == unknown.status_code == 404
+        assert hidden.json()["error"]["code"] == "model_not_found"
+        assert hidden.json() == json.loads(unknown.text.replace("nonesuch", "support"))
+        assert len(backend.requests) == 2  # nothing reached the backend for the other tenant
+
+        listed = {m["id"]: m for m in (await client.get("/v1/models", headers=owner)).json()["data"]}
+        assert listed["support"]["parent"] == listed["support"]["root"] == "base"
+        assert "parent" not in listed["base"]
+        assert [m["id"] for m in (await client.get("/v1/models", headers=other)).json()["data"]] == ["base"]
+
+
+async def test_an_adapter_shared_with_a_tenant_serves_it_and_a_tenant_administrator_registers_only_its_own(tmp_path):
+    async with running({"base": LoraBackend("one")}, tmp_path) as client:
+        admin = await tenant(client, "acme", scopes=("admin", "inference"))
+        partner, outsider = await tenant(client, "initech"), await tenant(client, "globex")
+        made = await register(client, admin, owner="globex", tenants=["initech"])
+        assert made.status_code == 404  # another tenant's name, to a tenant administrator
+        made = await register(client, admin, tenants=["initech"])
+        assert made.status_code == 201 and made.json()["owner"] == "acme"
+        assert (await complete(client, partner, "support")).status_code == 200
+        assert (await complete(client, outsider, "support")).status_code == 404
+
+        # An operator's adapter: the tenant administrator neither lists nor removes it.
+        assert (await register(client, name="house", tenants=["globex"])).status_code == 201
+        assert [a["name"] for a in (await client.get("/admin/adapters", headers=admin)).json()] == ["support"]
+        assert (await client.delete("/admin/adapters/house", headers=admin)).status_code == 404
+        assert (await register(client, name="base")).status_code == 409  # a served model's name is taken
+        assert (await client.patch("/admin/adapters/support", json={"tenants": []}, headers=admin)).status_code == 200
+        assert (await complete(client, partner, "support")).status_code == 404
+        assert (await client.delete("/admin/adapters/support", headers=admin)).status_code == 200
+        assert (await complete(client, await tenant(client, "acme-2"), "support")).status_code == 404
+
+        actions = [(e["action"], e["target"]) for e in (await client.get("/admin/audit", headers=AUTH)).json()]
+        assert {("adapter.create", "support"), ("adapter.update", "support"), ("adapter.delete", "support"),
+                ("adapter.create", "house")} <= set(actions)
+
+
+async def test_each_backend_loads_an_adapter_once_and_its_requests_are_billed_per_adapter(tmp_path):
+    backend = LoraBackend("one")
+    async with running({"base": backend}, tmp_path) as client:
+        owner = await tenant(client, "acme")
+        await register(client, owner="acme")
+        for model in ("support", "support", "base", "support"):
+            assert (await complete(client, owner, model)).status_code == 200
+        assert backend.loads == [Adapter("support", PATH)]  # once, then listed by the backend's capabilities
+
+        client.gateway.ledger.flush()
+        records = (await client.get("/admin/usage", params={"tenant": "acme"}, headers=AUTH)).json()["records"]
+        assert Counter(r["adapter"] for r in records) == {"support": 3, None: 1}
+        assert {r["model"] for r in records} == {"base"}
+        series = (await client.get("/admin/usage/series", params={"tenant": "acme", "by": "adapter"},
+                                   headers=AUTH)).json()["series"]
+        assert {s["group"]: sum(p["requests"] for p in s["points"]) for s in series} == {"support": 3, "": 1}
+        metrics = (await client.get("/metrics")).text
+        assert 'servegate_requests_total{adapter="support",backend="one",model="base",status="ok",' \
+               'tenant="acme"} 3.0' in metrics
+        assert 'servegate_adapter_load_seconds_count{backend="one"} 1.0' in metrics
+
+
+async def test_a_backend_that_cannot_serve_adapters_is_passed_over_and_named_when_none_is_left(tmp_path):
+    plain, lora = LoraBackend("plain", lora=False), LoraBackend("lora")
+    async with running({"plain": plain, "lora": lora}, tmp_path) as client:
+        owner = await tenant(client, "acme")
+        for alias, spec in (("base", {"targets": [{"backend": "plain"}], "fallbacks": ["lora"]}),
+                            ("plain-only", {"targets": [{"backend": "plain"}]})):
+            deployed = await client.post(f"/admin/routes/{alias}/deploy", json={"spec": spec}, headers=AUTH)
+            assert deployed.status_code == 201, deployed.text
+        await register(client, owner="acme")
+        await register(client, name="stuck", base="plain-only", owner="acme")
+
+        served = await complete(client, owner, "support")
+        assert served.status_code == 200, served.text
+        assert "backend=lora" in served.headers["x-servegate-route"]
+        assert [r.adapter for r in lora.requests] == ["support"] and plain.requests == []
+
+        refused = await complete(client, owner, "stuck")
+        assert refused.status_code == 400
+        assert "plain" in refused.json()["error"]["message"]
+        assert "does not serve LoRA adapters" in refused.json()["error"]["message"]
+
+
+async def test_an_adapters_own_rpm_limit_answers_429_for_every_tenant_using_it(tmp_path):
+    async with running({"base": LoraBackend("one")}, tmp_path) as client:
+        owner, partner = await tenant(client, "acme"), await tenant(client, "initech")
+        await register(client, owner="acme", tenants=["initech"], rpm=2)
+        away_from_minute_edge()
+        assert (await complete(client, owner, "support")).status_code == 200
+        assert (await complete(client, partner, "support")).status_code == 200
+        limited = await complete(client, owner, "support")
+        assert limited.status_code == 429, limited.text
+        assert limited.json()["error"]["code"] == "rate_limit_exceeded"
+        assert "adapter:support" in limited.json()["error"]["message"]
+        assert int(limited.headers["Retry-After"]) >= 1
+        assert (await complete(client, owner, "base")).status_code == 200  # the base model is not limited
+
+
+async def test_tgi_adapter_id_selects_the_adapter(tmp_path):
+    backend = LoraBackend("one")
+    async with running({"base": backend}, tmp_path) as client:
+        owner = await tenant(client, "acme")
+        await register(client, owner="acme")
+        body = {"inputs": "hello", "parameters": {"max_new_tokens": 4, "adapter_id": "support"}}
+        answered = await client.post("/generate", json=body, headers=owner)
+        assert answered.status_code == 200, answered.text
+        assert backend.requests[-1].adapter == "support"
+        on_model = await client.post("/generate", params={"model": "base"}, json=body, headers=owner)
+        assert on_model.status_code == 200 and backend.requests[-1].adapter == "support"
+        for missing in ("nonesuch", "base"):  # unknown, and a model rather than an adapter: TGI's 422
+            body["parameters"]["adapter_id"] = missing
+            refused = await client.post("/generate", json=body, headers=owner)
+            assert refused.status_code == 422 and f"`{missing}` does not exist" in refused.json()["error"]
+        assert len(backend.requests) == 2
+
+
+# -- routing --------------------------------------------------------------------------------------
+def router_over(*names: str, **spec) -> Router:
+    router = Router(Fleet({n: LoraBackend(n) for n in names}), seed=3)
+    version = RouteOut(alias="base", version=1, status="active", share=None, spec=RouteSpec(
+        targets=[Target(backend=n) for n in names], **spec), created_at="2026-01-01T00:00:00Z")
+    router.set_routes({"base": RouteState(alias="base", active=version, canary=None)})
+    return router
+
+
+def test_the_router_prefers_the_replica_with_the_adapter_resident_then_loaded():
+    router = router_over("a", "b", "c")
+    fleet = router.fleet
+    fleet["b"].capabilities = Capabilities(runtime="fake", version="1", model="base", max_context=4096,
+                                           prefix_caching=True, adapters=frozenset({"support"}))
+    fleet["c"].load = Load(waiting=3, resident_adapters=frozenset({"support"}))
+    orders = {tuple(b.name for b in router.resolve("base", ["base"], RequestFacts(adapter="support")).candidates)
+              for _ in range(50)}
+    assert orders == {("c", "b", "a")}  # resident, loaded, neither: even with a queue on the resident one
+    decision = router.resolve("base", ["base"], RequestFacts(adapter="support"))
+    assert decision.reason.startswith("adapter resident")
+    plain = Counter(router.resolve("base", ["base"]).candidates[0].name for _ in range(300))
+    assert set(plain) == {"a", "b", "c"}  # without an adapter the weights alone decide
+
+
+def test_the_prefix_index_keeps_adapters_and_cache_salts_apart():
+    spec = PrefixAware(block_chars=16, blocks=4)
+    prompt = "You are a helpful assistant. " * 4
+    base = PrefixIndex.chain(prompt, spec, cache_salt="salt-a")
+    assert base == PrefixIndex.chain(prompt, spec, cache_salt="salt-a")
+    assert not set(base) & set(PrefixIndex.chain(prompt, spec, "support", "salt-a"))
+    assert not set(base) & set(PrefixIndex.chain(prompt, spec, cache_salt="salt-b"))
+
+    router = router_over("a", "b", prefix_aware=spec)
+    facts = RequestFacts(prompt=prompt, adapter="support", cache_salt="salt-a")
+    assert router.resolve("base", ["base"], facts).reason.endswith("new prefix; weighted")
+    assert router.resolve("base", ["base"], facts).reason.endswith("blocks cached)")
+    other = RequestFacts(prompt=prompt, cache_salt="salt-a")  # the same text on the base model
+    assert router.resolve("base", ["base"], other).reason.endswith("new prefix; weighted")
+
+
+# -- TGI deployments and the CLI ------------------------------------------------------------------
+def test_tgi_lora_adapters_become_adapter_registrations():
+    assert lora_adapters("support, org/legal-v1=/data/legal") == {"support": "support", "org/legal-v1": "/data/legal"}
+    with pytest.raises(MigrationError, match="revision"):
+        lora_adapters("support@v2")
+    with pytest.raises(MigrationError, match="id=path"):
+        lora_adapters("a=b=c")
+    deployment = TGIDeployment.parse(["--model-id", "meta-llama/Llama-3.1-8B-Instruct",
+                                      "LORA_ADAPTERS=support,legal=/data/legal"])
+    p = plan(deployment, "llama", "http://tgi:3000", "http://vllm:8001")
+    assert p["adapters"] == [{"name": "support", "base": "llama", "path": "support"},
+                             {"name": "legal", "base": "llama", "path": "/data/legal"}]
+    assert "servegate adapters add legal --base llama --path /data/legal" in [s["command"] for s in p["steps"]]
+    assert "--lora-modules support=support legal=/data/legal" in p["commands"]["vllm"]
+    assert not [u for u in p["unmapped"] if u["flag"] == "--lora-adapters"]
+
+
+def test_the_cli_adds_lists_and_removes_adapters(tmp_path, monkeypatch):
+    from gateway.cli import app
+
+    gateway_app({}, tmp_path)  # a migrated database
+    monkeypatch.setenv("SERVEGATE_DATABASE_URL", f"sqlite:///{tmp_path}/servegate.db")
+    runner = CliRunner()
+    assert runner.invoke(app, ["tenants", "create", "acme"]).exit_code == 0
+    added = runner.invoke(app, ["adapters", "add", "support", "--base", "base", "--path", PATH, "--owner", "acme",
+                                "--rpm", "5"])
+    assert added.exit_code == 0, added.output
+    listed = json.loads(runner.invoke(app, ["adapters", "list", "--json"]).output)
+    assert [(a["name"], a["owner"], a["rpm"]) for a in listed] == [("support", "acme", 5)]
+    assert runner.invoke(app, ["adapters", "add", "support", "--base", "b", "--path", "p"]).exit_code != 0
+    assert runner.invoke(app, ["adapters", "remove", "support"]).exit_code == 0
+    assert json.loads(runner.invoke(app, ["adapters", "list", "--json"]).output) == []
