@@ -236,17 +236,20 @@ class Call:
 
     async def _load_adapter(self, backend: Backend, span) -> None:
         """The request's adapter made servable on `backend` where its capabilities do not list it
-        (the backend may have dropped it since the fleet last polled); the time it takes is the
-        request's, counted in its outcome, its span and a histogram."""
+        (the backend may have dropped it since the fleet last polled), by one request at a time:
+        the others wait for its load rather than load it again. The time it takes is the request's,
+        counted in its outcome, its span and a histogram."""
         adapter = self.decision.adapter.adapter
-        if adapter.name in (await backend.capabilities()).adapters:
-            return
         started = time.monotonic()
-        await backend.load_adapter(adapter)
-        took = time.monotonic() - started
+        async with self.shared.fleet[backend.name].adapter_loads.setdefault(adapter.name, asyncio.Lock()):
+            missing = adapter.name not in (await backend.capabilities()).adapters
+            if missing:
+                await backend.load_adapter(adapter)
+        took = time.monotonic() - started  # a wait for another request's load is this one's too
         self.adapter_load_s += took
-        self.shared.metrics.adapter_loads.labels(backend.name).observe(took)
         span.set_attribute("servegate.adapter.load_s", took)
+        if missing:
+            self.shared.metrics.adapter_loads.labels(backend.name).observe(took)
 
     def _price(self, capabilities: Capabilities) -> Price | None:
         """The configured price of the model asked for, else the backend's list price."""

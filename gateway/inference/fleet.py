@@ -63,6 +63,8 @@ class Member:
     load: Load | None = None  # as last polled
     capabilities: Capabilities | None = None  # as last polled (the adapters it can serve change)
     down: bool = False  # its health check says so
+    # one load of a LoRA adapter at a time: the requests that find it missing meanwhile wait for it
+    adapter_loads: dict[str, asyncio.Lock] = field(default_factory=dict)
 
     def available(self, now: float) -> bool:
         return not self.down and self.breaker.allows(now)
