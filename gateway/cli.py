@@ -95,7 +95,8 @@ def engine_options(command):
 
     hints = typing.get_type_hints(EngineConfig)
     fields = dataclasses.fields(EngineConfig)
-    options = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=Annotated[
+    defaults = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default for f in fields}
+    options = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=defaults[f.name], annotation=Annotated[
         hints[f.name], typer.Option(*filter(None, [f.metadata["flags"]]), help=f.metadata["help"],
                                     rich_help_panel="Built-in engine")]) for f in fields]
     own = [p for name, p in inspect.signature(command).parameters.items() if name != "engine"]

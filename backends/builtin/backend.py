@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 from backends import fields
 from backends.base import (
     MAX_LOGPROBS,
+    Adapter,
     Backend,
     Capabilities,
     ContextTooLong,
@@ -21,6 +23,7 @@ from backends.base import (
     Health,
     InvalidRequest,
     Load,
+    ModelNotFound,
     Tokenized,
     TokenSpan,
     Unavailable,
@@ -35,7 +38,7 @@ from backends.builtin.config import EngineConfig
 from backends.builtin.core.engine import LLMEngine, check_request
 from backends.builtin.core.structured import check
 from backends.builtin.front import EngineFront, EngineProcess, EngineThread
-from backends.builtin.protocol import CoreInfo, SamplingParams
+from backends.builtin.protocol import CoreInfo, LoadAdapter, SamplingParams, UnloadAdapter
 from backends.builtin.tools import ToolCallParser, ToolUse
 from backends.builtin.worker.loader import default_model_path, load_tokenizer, model_dir, model_name
 from backends.constraints import constraint_of
@@ -64,6 +67,7 @@ class BuiltinBackend(Backend):
         # is templated and tokenized once. Bounded: a request refused after counting never comes.
         self._tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix=f"{name}-tokenize")
         self._longest_token = 1  # bytes: what `min_prompt_tokens` divides a prompt's bytes by
+        self.adapters: dict[str, str] = self.config.adapters()  # LoRA adapters served: name -> path
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -116,6 +120,8 @@ class BuiltinBackend(Backend):
     # -- generation ---------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         info, front = self._ready()
+        if request.adapter is not None and request.adapter not in self.adapters:
+            raise ModelNotFound(f"the LoRA adapter {request.adapter!r} is not loaded", param="model")
         tokenized = request.tokenized
         prompt_ids = list(tokenized.ids) if tokenized and tokenized.backend == self.name else await self._off_loop(
             self._prompt_ids, info, request)
@@ -127,7 +133,8 @@ class BuiltinBackend(Backend):
         echo = self._echo(request, prompt_ids)
         unechoed = set(range(params.n)) if echo else set()
         completion_tokens = cached = 0
-        async for out in front.stream(request.request_id, prompt_ids, params, request.stop, request.cache_salt):
+        async for out in front.stream(request.request_id, prompt_ids, params, request.stop, request.cache_salt,
+                                      request.adapter):
             completion_tokens += len(out.token_ids)
             cached = max(cached, out.num_cached_tokens)
             text, reason, extra = out.text, out.finish_reason, {}
@@ -224,6 +231,9 @@ class BuiltinBackend(Backend):
             structured_output=True,
             features=frozenset({"n", "seed", "stop", "stop_token_ids", "ignore_eos", "top_k", "min_p", "min_tokens",
                                 "penalties", "logit_bias", "logprobs"}),
+            max_loras=self.config.max_loras if self.config.enable_lora else 0,
+            max_lora_rank=self.config.max_lora_rank if self.config.enable_lora else 0,
+            adapters=frozenset(self.adapters),
         )
 
     async def health(self) -> Health:
@@ -242,7 +252,23 @@ class BuiltinBackend(Backend):
             running=stats["running"], waiting=stats["waiting"],
             kv_usage=stats["kv_blocks_used"] / stats["kv_blocks_total"],
             prefix_hit_rate=stats["prefix_cache_hits_total"] / queries if queries else None, details=stats,
+            resident_adapters=frozenset(self._front.resident_adapters),
         )
+
+    # -- LoRA adapters ------------------------------------------------------------------
+    async def load_adapter(self, adapter: Adapter) -> None:
+        """The engine core reads the adapter's weights into host memory at its next step boundary;
+        it enters a compute slot when a step first runs it."""
+        _, front = self._ready()
+        await front.command(LoadAdapter(f"load-{uuid.uuid4().hex}", adapter.name, adapter.path))
+        self.adapters[adapter.name] = adapter.path
+
+    async def unload_adapter(self, name: str) -> None:
+        _, front = self._ready()
+        if name not in self.adapters:
+            raise ModelNotFound(f"backend {self.name!r} has no adapter {name!r}", param="model")
+        await front.command(UnloadAdapter(f"unload-{uuid.uuid4().hex}", name))
+        del self.adapters[name]
 
     async def count_prompt_tokens(self, request: GenerateRequest) -> int:
         return len((await self.tokenize_prompt(request)).ids)

@@ -41,6 +41,13 @@ class EngineConfig:
         "GEMMs on AVX512-BF16 without AMX; bf16 chunks on AMX tiles where AMX runs): auto (where they build) | "
         "native | torch (PyTorch only, the reference).",
         "auto")
+    enable_lora: bool = _help("Serve LoRA adapters (PEFT directories), given with --lora or loaded at run time.",
+                              False, "--enable-lora/--no-enable-lora")
+    lora: list[str] = field(default_factory=list, metadata={
+        "help": "An adapter served from the start, as NAME=PATH (repeat for more; implies --enable-lora).",
+        "flags": None})
+    max_loras: int = _help("Adapters one step may run together (compute slots; the others wait in host memory).", 4)
+    max_lora_rank: int = _help("The largest adapter rank served (slots are sized for it).", 16)
     cache_dir: str | None = _help("Converted-weights cache (default: ~/.cache/servegate).", None)
     engine_process: bool = _help("Step the engine in a process of its own (vLLM v1's engine-core split), "
                                  "so HTTP work never holds up a step; else on a thread of this process.",
@@ -53,7 +60,7 @@ class EngineConfig:
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} {getattr(self, f.name)!r} is not one of {', '.join(choices)}")
         for name in ("block_size", "kv_cache_tokens", "max_num_batched_tokens", "long_prefill_tokens", "max_num_seqs",
-                     "num_kv_blocks", "max_model_len"):
+                     "num_kv_blocks", "max_model_len", "max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, not {value!r}")
@@ -61,6 +68,15 @@ class EngineConfig:
         if device[0] not in ("auto", "cpu", "cuda") or len(device) > 2 or (len(device) == 2 and (
                 device[0] != "cuda" or not device[1].isdigit())):
             raise ValueError(f"device {self.device!r} is not auto, cpu, cuda or cuda:N")
+        for spec in self.lora:
+            name, _, path = spec.partition("=")
+            if not name or not path:
+                raise ValueError(f"lora {spec!r} is not NAME=PATH")
+        self.enable_lora = self.enable_lora or bool(self.lora)
+
+    def adapters(self) -> dict[str, str]:
+        """The adapters to serve from the start: name -> path."""
+        return dict(spec.partition("=")[::2] for spec in self.lora)
 
     def blocks(self) -> int:
         return self.num_kv_blocks or -(-self.kv_cache_tokens // self.block_size)

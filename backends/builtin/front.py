@@ -22,7 +22,9 @@ from backends.builtin.protocol import (
     AddRequest,
     Command,
     CoreMessage,
+    Done,
     Failed,
+    LoadAdapter,
     LoadFailed,
     Outputs,
     Ready,
@@ -31,6 +33,7 @@ from backends.builtin.protocol import (
     Stats,
     StepOutput,
     Stop,
+    UnloadAdapter,
     decode_message,
     encode,
 )
@@ -42,13 +45,15 @@ class EngineFront:
     def __init__(self) -> None:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.stats: Stats = {}  # the engine's figures, refreshed at every step boundary
+        self.resident_adapters: tuple[str, ...] = ()  # likewise the LoRA adapters in compute slots
 
     async def stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams, stop: Iterable[str] = (),
-                     cache_salt: str | None = None) -> AsyncIterator[StepOutput | BaseException]:
+                     cache_salt: str | None = None, adapter: str | None = None
+                     ) -> AsyncIterator[StepOutput | BaseException]:
         """Outputs of one request until every choice finished. Leaving early aborts it."""
         out: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), out)
-        self._send(AddRequest(request_id, prompt_ids, params, tuple(stop), cache_salt))
+        self._send(AddRequest(request_id, prompt_ids, params, tuple(stop), cache_salt, adapter))
         remaining = params.n
         try:
             while remaining:
@@ -62,20 +67,37 @@ class EngineFront:
             if remaining:
                 self._send(Abort(request_id))
 
+    async def command(self, command: LoadAdapter | UnloadAdapter) -> None:
+        """Carry out a command at the core's next step boundary; InvalidRequest with its reason
+        where the core could not."""
+        out: asyncio.Queue = asyncio.Queue()
+        self._streams[command.command_id] = (asyncio.get_running_loop(), out)
+        self._send(command)
+        try:
+            done = await out.get()
+        finally:
+            self._streams.pop(command.command_id, None)
+        if isinstance(done, BaseException):
+            raise done
+        if done.why is not None:
+            raise InvalidRequest(done.why, param="model")
+
     def _on_message(self, message: CoreMessage) -> None:
         match message:
             case Outputs():
-                self.stats = message.stats
+                self.stats, self.resident_adapters = message.stats, message.resident_adapters
                 for out in message.outputs:
                     self._deliver(out.request_id, out)
             case Refused():
                 self._deliver(message.request_id, InvalidRequest(message.why))
+            case Done():
+                self._deliver(message.command_id, message)
             case Failed():
                 self.stats = message.stats
                 for request_id in message.request_ids:
                     self._deliver(request_id, UpstreamError(message.why))
 
-    def _deliver(self, request_id: str, item: StepOutput | BaseException) -> None:
+    def _deliver(self, request_id: str, item: StepOutput | Done | BaseException) -> None:
         target = self._streams.get(request_id)
         if target is not None:
             loop, out = target

@@ -1,7 +1,7 @@
 """What crosses between the API process and the engine core, typed: the commands the API process
-sends (`AddRequest`, `Abort`, `Stop`) and the messages the core answers with (`Ready` or
-`LoadFailed` once, then `Outputs`, `Failed` and `Refused`), each a msgspec Struct in a tagged
-union, encoded as MessagePack over the pipe. Modelled on vLLM v1's `EngineCoreRequest` and
+sends (`AddRequest`, `LoadAdapter`, `UnloadAdapter`, `Abort`, `Stop`) and the messages the core
+answers with (`Ready` or `LoadFailed` once, then `Outputs`, `Failed`, `Refused` and `Done`), each a
+msgspec Struct in a tagged union, encoded as MessagePack over the pipe. Modelled on vLLM v1's `EngineCoreRequest` and
 `EngineCoreOutputs`; the engine thread of the thread mode passes the same objects unencoded.
 """
 
@@ -80,6 +80,22 @@ class AddRequest(msgspec.Struct, frozen=True, tag=True):
     params: SamplingParams
     stop: tuple[str, ...] = ()
     cache_salt: str | None = None
+    adapter: str | None = None  # a LoRA adapter's name, loaded by `LoadAdapter`
+
+
+class LoadAdapter(msgspec.Struct, frozen=True, tag=True):
+    """Make a LoRA adapter servable by name (its weights read into host memory); answered `Done`."""
+
+    command_id: str
+    name: str
+    path: str
+
+
+class UnloadAdapter(msgspec.Struct, frozen=True, tag=True):
+    """Take an adapter's name away; requests running with it finish first. Answered `Done`."""
+
+    command_id: str
+    name: str
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True):
@@ -90,7 +106,7 @@ class Stop(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
-Command = AddRequest | Abort | Stop
+Command = AddRequest | LoadAdapter | UnloadAdapter | Abort | Stop
 
 
 # -- messages: core -> API process --------------------------------------------------------
@@ -108,6 +124,7 @@ class Outputs(msgspec.Struct, frozen=True, tag=True):
 
     outputs: list[StepOutput]
     stats: Stats
+    resident_adapters: tuple[str, ...] = ()  # LoRA adapters in compute slots after the step
 
 
 class Failed(msgspec.Struct, frozen=True, tag=True):
@@ -125,7 +142,14 @@ class Refused(msgspec.Struct, frozen=True, tag=True):
     why: str
 
 
-CoreMessage = Ready | LoadFailed | Outputs | Failed | Refused
+class Done(msgspec.Struct, frozen=True, tag=True):
+    """A command other than a request carried out, or why it could not be."""
+
+    command_id: str
+    why: str | None = None
+
+
+CoreMessage = Ready | LoadFailed | Outputs | Failed | Refused | Done
 
 _encoder = msgspec.msgpack.Encoder()
 _commands = msgspec.msgpack.Decoder(Command)

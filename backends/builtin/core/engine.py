@@ -5,6 +5,7 @@ thread: `step()` = schedule -> run the model and sample -> the scheduler applies
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterable
 
 from backends.base import completion_limit
@@ -59,18 +60,56 @@ class LLMEngine:
         self.steps = 0
         self.slot_steps = self.live_token_steps = 0  # KV slots allocated / holding live tokens, summed over steps
         self.live = 0  # live tokens after the last step: counted once per step, read by stats()
+        self.adapters: dict[str, tuple[int, str]] = {}  # LoRA adapter name -> (its weights' id, path)
+        self._adapter_ids = itertools.count(1)
+        self._retired: set[int] = set()  # unloaded adapters' ids, their weights kept while a sequence runs them
+        for name, path in config.adapters().items():
+            self.add_adapter(name, path)
 
     # -- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    stop: Iterable[str] = (), cache_salt: str | None = None) -> None:
+                    stop: Iterable[str] = (), cache_salt: str | None = None, adapter: str | None = None) -> None:
         """Queue a request. Validation (lengths, ids) is the caller's: see `check_request`. A
-        duplicate id or a grammar that does not compile is a ValueError."""
+        duplicate id, an adapter not loaded or a grammar that does not compile is a ValueError."""
         if request_id in self.scheduler.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
+        if adapter is not None and adapter not in self.adapters:
+            raise ValueError(f"the LoRA adapter {adapter!r} is not loaded")
         matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
         detokenizer = Detokenizer(self.tokenizer, list(prompt_ids), tuple(stop))
         self.scheduler.add(Sequence(list(prompt_ids), params, request_id, matcher=matcher, detokenizer=detokenizer,
-                                    cache_salt=cache_salt))
+                                    cache_salt=cache_salt, adapter_id=self.adapters[adapter][0] if adapter else 0))
+
+    # -- LoRA adapters ------------------------------------------------------------------
+    def add_adapter(self, name: str, path: str) -> None:
+        """Serve an adapter under `name`; loading the same again is a no-op. ValueError where it
+        cannot serve this model, or the name is taken by another path."""
+        if name in self.adapters:
+            if self.adapters[name][1] != path:
+                raise ValueError(f"a LoRA adapter named {name!r} is loaded from another path: unload it first")
+            return
+        adapter_id = next(self._adapter_ids)  # new weights, new id: no cached prefix of an older one serves it
+        self.runner.add_adapter(adapter_id, path)
+        self.adapters[name] = (adapter_id, path)
+
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving `name`; its running requests finish with its weights. ValueError where unknown."""
+        if name not in self.adapters:
+            raise ValueError(f"the LoRA adapter {name!r} is not loaded")
+        self._retired.add(self.adapters.pop(name)[0])
+        self._drop_retired()
+
+    def _drop_retired(self) -> None:
+        in_use = {seq.adapter_id for seq in (*self.scheduler.running, *self.scheduler.waiting,
+                                             *self.scheduler.arrived)}
+        for adapter_id in self._retired - in_use:
+            self.runner.drop_adapter(adapter_id)
+            self._retired.discard(adapter_id)
+
+    def resident_adapters(self) -> tuple[str, ...]:
+        """The adapters in compute slots now."""
+        resident = self.runner.lora.resident if self.runner.lora is not None else {}
+        return tuple(name for name, (adapter_id, _) in self.adapters.items() if adapter_id in resident)
 
     @functools.cached_property
     def grammars(self) -> Grammars:
@@ -123,6 +162,8 @@ class LLMEngine:
             "kv_evictions_total": kv.evictions, "preemptions_total": sched.num_preemptions,
             "recomputed_tokens_total": sched.recomputed_tokens, "queue_delay_seconds_total": sched.queue_delay_sum,
             "admitted_requests_total": sched.num_admitted, "steps_total": self.steps,
+            "lora_adapters_loaded": len(self.adapters),
+            "lora_slot_loads_total": self.runner.lora.loads if self.runner.lora is not None else 0,
         }
 
     # -- the step -----------------------------------------------------------------------
@@ -136,6 +177,8 @@ class LLMEngine:
             # Blocks registered for this step were never written: forget every cached prefix.
             self.kv.reset_prefix_cache()
             raise
+        if self._retired:
+            self._drop_retired()
         self.live = self.live_tokens()  # one walk over the block tables a step, for these and stats()
         self.slot_steps += self.kv.num_used * self.kv.block_size
         self.live_token_steps += self.live

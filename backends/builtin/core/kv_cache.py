@@ -7,7 +7,8 @@ Invariants:
 - Only full blocks are hashed, computed or being computed in the current step. A block's hash
   chains its parent's hash with its own token ids, so equal hashes mean equal prefixes; the
   stored key guards against collisions. The first block's chain starts from the sequence's cache
-  salt, so prefixes are shared only among sequences of one salt.
+  salt and LoRA adapter, so prefixes are shared only among sequences of one salt and one adapter's
+  weights (an adapter's K/V differ from the base's for the same tokens).
 - A block is written only while its owner is its sole user: a shared partial block (left by
   a fork for `n > 1`) is copied before the write (`pending_copies`, done by the model runner).
 """
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 
 from backends.builtin.core.sequence import Sequence
 
-BlockKey = tuple[int | str | None, tuple[int, ...]]  # (parent hash, or the first block's cache salt; token ids)
+# (parent hash, or for the first block its namespace: the cache salt and the adapter; token ids)
+BlockKey = tuple[int | tuple[str | None, int], tuple[int, ...]]
 
 
 @dataclass(eq=False)
@@ -65,7 +67,7 @@ class KVCacheManager:
 
     # -- prefix cache -------------------------------------------------------------------
     def _key(self, seq: Sequence, i: int) -> BlockKey:
-        parent = seq.block_hashes[i - 1] if i else seq.cache_salt
+        parent = seq.block_hashes[i - 1] if i else (seq.cache_salt, seq.adapter_id)
         return parent, tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
 
     def _hash_blocks(self, seq: Sequence, num_blocks: int) -> None:

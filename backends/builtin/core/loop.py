@@ -21,12 +21,15 @@ from backends.builtin.protocol import (
     AddRequest,
     Command,
     CoreMessage,
+    Done,
     Failed,
+    LoadAdapter,
     LoadFailed,
     Outputs,
     Ready,
     Refused,
     Stop,
+    UnloadAdapter,
     decode_command,
     encode,
 )
@@ -74,16 +77,31 @@ def serve(engine: LLMEngine, channel: Channel) -> None:
                     added = True
                     try:
                         engine.add_request(command.request_id, command.prompt_ids, command.params, command.stop,
-                                           command.cache_salt)
+                                           command.cache_salt, command.adapter)
                     except ValueError as exc:
                         channel.send(Refused(command.request_id, str(exc)))
+                case LoadAdapter() | UnloadAdapter():
+                    channel.send(adapter_command(engine, command))
                 case Abort():
                     engine.abort(command.request_id)
             command = channel.receive(arrival_wait(added, deadline))
         if engine.has_work:
             channel.send(step_or_fail(engine))
         else:  # idle after an abort: the front's figures must say so too
-            channel.send(Outputs([], engine.stats()))
+            channel.send(Outputs([], engine.stats(), engine.resident_adapters()))
+
+
+def adapter_command(engine: LLMEngine, command: LoadAdapter | UnloadAdapter) -> Done:
+    """An adapter loaded or unloaded at a step boundary, or why not (reading its weights fails
+    with an OSError or a ValueError from the format)."""
+    try:
+        if isinstance(command, LoadAdapter):
+            engine.add_adapter(command.name, command.path)
+        else:
+            engine.remove_adapter(command.name)
+    except (OSError, ValueError) as exc:
+        return Done(command.command_id, str(exc))
+    return Done(command.command_id)
 
 
 def step_or_fail(engine: LLMEngine) -> Outputs | Failed:
@@ -96,7 +114,7 @@ def step_or_fail(engine: LLMEngine) -> Outputs | Failed:
         for request_id in failed:
             engine.abort(request_id)
         return Failed(failed, f"the engine step failed: {exc}", engine.stats())
-    return Outputs(outputs, engine.stats())
+    return Outputs(outputs, engine.stats(), engine.resident_adapters())
 
 
 class Pipe:

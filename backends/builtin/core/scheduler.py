@@ -11,6 +11,9 @@ one step's arrivals: a request is passed over only by those that came with it). 
 first admitted prompt is short admits no long one (more than `long_prefill_tokens` to compute):
 of a burst, the requests on a cached prefix take their first token from a short step instead of
 waiting for the cold prompts' prefill, which starts one step later.
+The running sequences use at most `max_loras` LoRA adapters among them (the model's compute
+slots): a waiting request on another adapter is passed over, as vLLM's scheduler passes it, until
+one of them finishes.
 When the KV cache runs out, the newest running sequence is preempted: its blocks are freed
 and it goes back to the front of the waiting queue to be recomputed later (its cached full
 blocks usually make that cheap). Nothing it generated is lost: its tokens stay in the sequence.
@@ -60,6 +63,7 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.long_prefill_tokens = config.long_prefill_tokens
+        self.max_loras = config.max_loras
         self.kv = kv
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -110,8 +114,12 @@ class Scheduler:
                 budget -= n
                 i += 1
         short_first = None  # whether this step's first admitted prompt is short
+        passed_over = []  # on an adapter that has no slot this step
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not self._adapter_fits(seq):
+                passed_over.append(self.waiting.popleft())
+                continue
             hits = self.kv.match_prefix(seq)
             to_compute = self._to_compute(seq, hits)
             short = to_compute <= self.long_prefill_tokens
@@ -130,7 +138,16 @@ class Scheduler:
             self.running.append(seq)
             self._scheduled(batch, seq, n)
             budget -= n
+        self.waiting.extendleft(reversed(passed_over))
         return batch
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Whether `seq` may run beside the running sequences: no adapter, or one of theirs, or a
+        slot left for its own."""
+        if not seq.adapter_id:
+            return True
+        adapters = {s.adapter_id for s in self.running} - {0}
+        return seq.adapter_id in adapters or len(adapters) < self.max_loras
 
     def _scheduled(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         batch.seqs.append(seq)

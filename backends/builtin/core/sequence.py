@@ -47,6 +47,7 @@ class Sequence:
     num_preemptions: int = 0
     arrival: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None  # prefix-cache namespace: the first block's key starts from it
+    adapter_id: int = 0  # the LoRA adapter's weights it runs with (0: none), also a prefix-cache namespace
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
@@ -79,4 +80,5 @@ class Sequence:
             block_hashes=list(self.block_hashes), num_registered_blocks=self.num_registered_blocks,
             matcher=self.matcher.fresh() if self.matcher else None,
             detokenizer=self.detokenizer.fresh() if self.detokenizer else None, cache_salt=self.cache_salt,
+            adapter_id=self.adapter_id,
         )

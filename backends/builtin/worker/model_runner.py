@@ -12,6 +12,7 @@ from backends.builtin.core.sequence import Sequence
 from backends.builtin.worker import kernels
 from backends.builtin.worker.attention import AttentionMetadata, LayerKV
 from backends.builtin.worker.loader import LoadedModel
+from backends.builtin.worker.lora import LoRASlots, LoRAWeights, read_adapter
 from backends.builtin.worker.models.llama import LlamaForCausalLM, pack_weights, rope_inv_freq
 from backends.cpu import bf16_native
 
@@ -117,6 +118,10 @@ class ModelRunner:
         self.model.inv_freq = rope_inv_freq(cfg).to(self.device)  # kept in fp32, as the reference does
         if config.weight_quant == "none" and config.attention != "torch":
             self.model.ops = kernels.layer_ops(self.device, self.dtype)
+        self.config, self.max_lora_rank = cfg, config.max_lora_rank
+        self.lora = LoRASlots(self.model, cfg, config.max_loras, config.max_lora_rank, self.model.ops) \
+            if config.enable_lora else None
+        self.adapters: dict[int, LoRAWeights] = {}  # in host memory, by adapter id
         int8 = config.kv_cache_dtype == "int8"
         self.kv_caches = [
             LayerKV.allocate(num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype,
@@ -140,6 +145,16 @@ class ModelRunner:
         for cache in self.kv_caches:
             cache.copy_blocks(src, dst)
 
+    def add_adapter(self, adapter_id: int, path: str) -> None:
+        """An adapter's weights read and checked against the model (ValueError naming the misfit)."""
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora (--enable-lora)")
+        self.adapters[adapter_id] = read_adapter(path, self.config, self.max_lora_rank)
+
+    def drop_adapter(self, adapter_id: int) -> None:
+        self.adapters.pop(adapter_id, None)
+        self.lora.forget(adapter_id)
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
         """Compute the batch's new tokens; returns the sequences that now need a next token,
@@ -155,6 +170,8 @@ class ModelRunner:
             if start + n == len(seq):
                 logits_index.append(len(input_ids) - 1)
                 done.append(seq)
+        if self.lora is not None:
+            self.lora.set_step([s.adapter_id for s in batch.seqs], batch.num_new_tokens, self.adapters)
         meta = AttentionMetadata.build(batch.num_new_tokens, ctx_lens, [s.block_table for s in batch.seqs],
                                        self.block_size, self.device, self.dtype, self.use_kernel, self.chunk_kernel)
         logits = self.model(

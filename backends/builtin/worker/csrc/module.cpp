@@ -13,6 +13,8 @@ void rotary(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t hea
 torch::Tensor silu_mul(torch::Tensor gate_up);
 bool bf16_linear_native();
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor slots,
+              torch::Tensor widths);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Exact attention over a paged KV cache (CPU)");
@@ -25,4 +27,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear_native", &bf16_linear_native, "Whether bf16_linear was built with AVX512-BF16");
   m.def("bf16_linear", &bf16_linear, "x @ w^T + b in bf16, w laid out [N/16, K/2, 16, 2] (AVX512-BF16)",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("lora_add", &lora_add, "y += LoRA(x), each token on its adapter's slot (float32 or bf16 x and y)");
 }

@@ -1,0 +1,208 @@
+"""LoRA adapters, many in one step: read from PEFT's files, held in host memory, and copied into a
+bounded number of compute slots (least recently used out) that each targeted Linear adds from,
+every token with its own sequence's adapter (`csrc/lora.cpp`, S-LoRA's gather-matmul).
+
+An adapter changes `W x` into `W x + scaling * B (A x)`; the scaling (PEFT's `lora_alpha / r`,
+or `/ sqrt(r)` with rsLoRA) is folded into B when the adapter enters a slot.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from backends.builtin.worker.models.llama import PACKED, LlamaConfig
+
+# The projections an adapter may target, by Hugging Face's module names (PEFT's `target_modules`).
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The model's Linear layers that adapters reach, and the projections each runs (fused ones in order).
+LAYER_MODULES = {"self_attn.qkv_proj": PACKED["self_attn.qkv_proj"], "self_attn.o_proj": ("self_attn.o_proj",),
+                 "mlp.gate_up_proj": PACKED["mlp.gate_up_proj"], "mlp.down_proj": ("mlp.down_proj",)}
+
+
+@dataclass
+class LoRAWeights:
+    """An adapter's factors by Hugging Face module name ("model.layers.0.self_attn.q_proj"):
+    A [r, in] and B [out, r] already scaled, float32 on the CPU."""
+
+    rank: int  # the largest of its modules' ranks
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def read_adapter(path: str | Path, config: LlamaConfig, max_rank: int) -> LoRAWeights:
+    """A PEFT LoRA directory (adapter_config.json + adapter_model.safetensors), checked against the
+    model: ValueError naming what does not fit."""
+    directory = Path(path)
+    config_file = directory / "adapter_config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{directory} is not a PEFT adapter directory (no adapter_config.json)")
+    spec = json.loads(config_file.read_text())
+    if spec.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{directory}: peft_type {spec['peft_type']!r} is not LORA")
+    for key, refusal in (("use_dora", "DoRA"), ("modules_to_save", "modules_to_save (full layers)"),
+                         ("fan_in_fan_out", "fan_in_fan_out")):
+        if spec.get(key):
+            raise ValueError(f"{directory}: {refusal} is not supported")
+    if spec.get("bias", "none") != "none":
+        raise ValueError(f"{directory}: LoRA bias {spec['bias']!r} is not supported (only 'none')")
+    weights = _read_tensors(directory)
+    factors = {}
+    for key, a in weights.items():
+        if ".lora_A." not in key:
+            if ".lora_B." not in key:
+                raise ValueError(f"{directory}: tensor {key} is not a LoRA factor")
+            continue
+        module = key.split(".lora_A.")[0].removeprefix("base_model.model.")
+        b = weights.get(key.replace(".lora_A.", ".lora_B."))
+        if b is None:
+            raise ValueError(f"{directory}: {module} has lora_A but no lora_B")
+        if module.rsplit(".", 1)[-1] not in TARGETS:
+            raise ValueError(f"{directory}: target {module} is not supported (supported: {', '.join(TARGETS)})")
+        rank = a.shape[0]
+        if rank > max_rank:
+            raise ValueError(f"{directory}: rank {rank} of {module} exceeds max_lora_rank {max_rank}")
+        alpha = _pattern(spec.get("alpha_pattern"), module, spec.get("lora_alpha", 8))
+        scaling = alpha / math.sqrt(rank) if spec.get("use_rslora") else alpha / rank
+        expected_in, expected_out = _shape(config, module)
+        if tuple(a.shape) != (rank, expected_in) or tuple(b.shape) != (expected_out, rank):
+            raise ValueError(f"{directory}: {module} has factors {tuple(a.shape)} and {tuple(b.shape)}, this model "
+                             f"needs ({rank}, {expected_in}) and ({expected_out}, {rank})")
+        factors[module] = (a.float(), b.float() * scaling)
+    if not factors:
+        raise ValueError(f"{directory}: no LoRA factors in the adapter's weights")
+    return LoRAWeights(max(a.shape[0] for a, _ in factors.values()), factors)
+
+
+def _read_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    if (directory / "adapter_model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        return load_file(directory / "adapter_model.safetensors")
+    if (directory / "adapter_model.bin").is_file():
+        return torch.load(directory / "adapter_model.bin", map_location="cpu", weights_only=True)
+    raise ValueError(f"{directory}: no adapter_model.safetensors or adapter_model.bin")
+
+
+def _pattern(patterns: dict | None, module: str, default):
+    """PEFT's per-module override (`alpha_pattern`): the first key matching the module's name's end."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _shape(config: LlamaConfig, module: str) -> tuple[int, int]:
+    """(in, out) features of a Hugging Face projection of this model."""
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    hidden, inter = config.hidden_size, config.intermediate_size
+    name = module.rsplit(".", 1)[-1]
+    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}[name]
+
+
+class LoRALinear(torch.nn.Module):
+    """A Linear (of any kind: prepacked, native bf16, plain) plus the adapters in the slots, each
+    token with the slot its `LoRASlots.token_slots` names (-1: none)."""
+
+    def __init__(self, base: torch.nn.Module, slots: LoRASlots, parts: list[tuple[str, int, int]], in_features: int,
+                 max_rank: int) -> None:
+        super().__init__()
+        self.base, self.slots, self.parts = base, slots, parts  # parts: (HF name, output offset, size)
+        rows = len(parts) * max_rank  # each part's ranks after the last's
+        out = sum(size for _, _, size in parts)
+        self.a = torch.zeros(slots.max_loras, rows, in_features)
+        self.b = torch.zeros(slots.max_loras, rows, out)  # B transposed: [rank, out]
+        self.widths = torch.zeros(slots.max_loras, dtype=torch.int32)
+
+    def load(self, slot: int, adapter: LoRAWeights) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        width = 0
+        for name, offset, size in self.parts:
+            factors = adapter.factors.get(name)
+            if factors is not None:
+                a, b = factors
+                rank = a.shape[0]
+                self.a[slot, width:width + rank] = a
+                self.b[slot, width:width + rank, offset:offset + size] = b.T
+                width += rank
+        self.widths[slot] = width
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        slots = self.slots.token_slots
+        if slots is None:
+            return y
+        if self.slots.ops is not None:
+            self.slots.ops.lora_add(y, x.contiguous(), self.a, self.b, slots, self.widths)
+            return y
+        for slot in slots.unique().tolist():  # the reference: one product per adapter in the step
+            if slot >= 0:
+                rows, width = (slots == slot).nonzero().squeeze(1), int(self.widths[slot])
+                delta = (x[rows].float() @ self.a[slot, :width].T) @ self.b[slot, :width]
+                y[rows] += delta.to(y.dtype)
+        return y
+
+
+class LoRASlots:
+    """`max_loras` compute slots over the model's targeted Linears; adapters enter them least
+    recently used out, as the steps that run them need them."""
+
+    def __init__(self, model: torch.nn.Module, config: LlamaConfig, max_loras: int, max_rank: int, ops) -> None:
+        self.max_loras, self.ops = max_loras, ops
+        self.resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
+        self.loads = 0  # adapters copied into a slot
+        self.token_slots: torch.Tensor | None = None  # this step's slot per token, None: no adapter in it
+        self.layers: list[LoRALinear] = []
+        for i, layer in enumerate(model.model.layers):
+            for attr, parts in LAYER_MODULES.items():
+                parent_name, name = attr.split(".")
+                parent = getattr(layer, parent_name)
+                offset, named = 0, []
+                for part in parts:
+                    in_features, size = _shape(config, part)
+                    named.append((f"model.layers.{i}.{part}", offset, size))
+                    offset += size
+                wrapped = LoRALinear(getattr(parent, name), self, named, in_features, max_rank)
+                setattr(parent, name, wrapped)
+                self.layers.append(wrapped)
+
+    def set_step(self, adapter_ids: list[int], token_counts: list[int], adapters: dict[int, LoRAWeights]) -> None:
+        """The step's sequences' adapters (0: none) and tokens: each adapter in a slot, each token
+        given its slot. The scheduler admits no more adapters to a step than there are slots."""
+        if not any(adapter_ids):
+            self.token_slots = None
+            return
+        needed = set(adapter_ids) - {0}
+        slot_of = {}
+        for adapter_id in needed:
+            slot = self.resident.get(adapter_id)
+            if slot is None:
+                slot = self._free_slot(needed)
+                for layer in self.layers:
+                    layer.load(slot, adapters[adapter_id])
+                self.loads += 1
+            self.resident[adapter_id] = slot
+            self.resident.move_to_end(adapter_id)
+            slot_of[adapter_id] = slot
+        per_seq = torch.tensor([slot_of.get(a, -1) for a in adapter_ids], dtype=torch.int32)
+        self.token_slots = per_seq.repeat_interleave(torch.tensor(token_counts))
+
+    def _free_slot(self, keep: set[int]) -> int:
+        """An unused slot, or the least recently used one of an adapter this step does not run."""
+        used = set(self.resident.values())
+        for slot in range(self.max_loras):
+            if slot not in used:
+                return slot
+        victim = next(a for a in self.resident if a not in keep)
+        return self.resident.pop(victim)
+
+    def forget(self, adapter_id: int) -> None:
+        """An unloaded adapter's slot, free again."""
+        self.resident.pop(adapter_id, None)
