@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 
 from sqlalchemy import Engine
 
-from backends.base import NANO_USD_PER_USD, Backend, ContextTooLong, GenerateRequest, TokenSpan
+from backends.base import NANO_USD_PER_USD, Adapter, Backend, ContextTooLong, GenerateRequest, TokenSpan
 from gateway.errors import GatewayError
 from gateway.inference.admission import Admission
 from gateway.inference.call import Call, Outcome, Shared, refusal
@@ -32,7 +32,15 @@ from gateway.settings import Settings
 from gateway.tenancy import budgets, ledger
 from gateway.tenancy.auth import AdapterView, Directory, Principal
 from gateway.tenancy.ledger import UsageLedger
-from gateway.tenancy.quotas import MemoryQuotaStore, QuotaExceeded, QuotaStore, RedisQuotaStore, Reservation, Spent
+from gateway.tenancy.quotas import (
+    MemoryQuotaStore,
+    QuotaExceeded,
+    QuotaLimits,
+    QuotaStore,
+    RedisQuotaStore,
+    Reservation,
+    Spent,
+)
 from policies.rollout import ROLLOUT, load_rollout
 
 log = logging.getLogger("servegate.gateway")
@@ -62,9 +70,11 @@ class Gateway:
         self._open: dict[str, Call] = {}  # billed calls not yet settled, checkpointed while they run
         self.down: dict[str, str] = {}  # background tasks that died and wait for their restart -> why
         self.canary = CanaryGuard(self.router, db, self.metrics, load_rollout(settings.rollout_policy or ROLLOUT))
+        self.launched: dict[str, AdapterView] = {}  # adapters the served models' backends serve from launch
 
     async def start(self) -> None:
         await asyncio.to_thread(self.directory.load)  # the first read must succeed: no keys, no service
+        self.launched = await self._launched_adapters()
         self.load_routes()
         await self._recover()  # what stopped processes used is in the ledger before windows are rebuilt from it
         if isinstance(self.quotas, MemoryQuotaStore):
@@ -151,11 +161,25 @@ class Gateway:
     def visible_models(self, principal: Principal) -> list[str]:
         return [m for m in self.router.models() if principal.may_use(m)]
 
+    async def _launched_adapters(self) -> dict[str, AdapterView]:
+        """The adapters a served model's backend serves from its launch (the engine's `--lora`,
+        vLLM's `--lora-modules`), open to every tenant that may use the model, as the runtime serves
+        them to every client. Only those: one loaded later for a registered adapter stays that
+        adapter's tenants' even after its registration is gone."""
+        launched = {}
+        for model, backend in self.fleet.served.items():
+            with contextlib.suppress(Exception):  # a backend that cannot say serves none
+                for name in (await backend.capabilities()).adapters:
+                    launched.setdefault(name, AdapterView(Adapter(name, ""), model, None, frozenset(), QuotaLimits(),
+                                                          everyone=True))
+        return launched
+
     def usable_adapter(self, principal: Principal, name: str | None) -> AdapterView | None:
         """The LoRA adapter `name` names, where the caller may use it: its tenant's own or one shared
-        with it, on a base it may use and this gateway serves; else None. A served model or route
-        alias of the same name wins over an adapter."""
-        adapter = self.directory.adapters.get(name or "")
+        with it (or one its backend serves from launch), on a base it may use and this gateway serves;
+        else None. A served model or route alias of the same name wins over an adapter, a registered
+        adapter over one served from launch."""
+        adapter = self.directory.adapters.get(name or "") or self.launched.get(name or "")
         models = self.router.models()
         if adapter is None or name in models or adapter.base not in models or not principal.may_use(adapter.base) \
                 or not adapter.allows(principal.tenant.name):
@@ -163,7 +187,8 @@ class Gateway:
         return adapter
 
     def usable_adapters(self, principal: Principal) -> list[AdapterView]:
-        return [a for name in sorted(self.directory.adapters) if (a := self.usable_adapter(principal, name))]
+        names = sorted({*self.directory.adapters, *self.launched})
+        return [a for name in names if (a := self.usable_adapter(principal, name))]
 
     def cache_salt(self, principal: Principal) -> str | None:
         """The caller's prefix-cache namespace; None where tenants share the cache."""

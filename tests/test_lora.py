@@ -137,3 +137,51 @@ async def test_adapters_load_and_unload_at_run_time_in_the_engine_process(tiny_m
         assert await greedy(None) == expected[None][0]
     finally:
         await backend.close()
+
+
+async def test_the_gateway_serves_the_engines_adapters_to_the_openai_client_and_bills_them(
+        tiny_model_dir, adapters, expected, tmp_path):
+    """`servegate serve --lora sql=...`: `/v1/models` lists `sql` under its base for every tenant,
+    as vLLM's --lora-modules does; a tenant's own adapter, registered at run time, is loaded onto
+    the engine on first use, serves its greedy tokens, is missing for another tenant exactly as an
+    unknown model, and its usage is counted per adapter."""
+    import openai
+
+    from .conftest import AUTH
+    from .test_adapters import running, tenant
+
+    engine = BuiltinBackend(EngineConfig(model=str(tiny_model_dir), dtype="float32", served_name="tiny",
+                                         max_lora_rank=16, lora=[f"sql={adapters['sql']}"], engine_process=False),
+                            name="engine")
+    async with running({"tiny": engine}, tmp_path, usage_flush_s=0.1) as client:
+        acme, other = await tenant(client, "acme"), await tenant(client, "other")
+        registered = await client.post("/admin/adapters", json={
+            "name": "acme-chat", "base": "tiny", "path": adapters["chat"], "owner": "acme"}, headers=AUTH)
+        assert registered.status_code == 201, registered.text
+
+        def sdk(headers):
+            return openai.AsyncOpenAI(base_url="http://gateway/v1", api_key=headers["Authorization"].split()[1],
+                                      http_client=client)
+
+        models = {m.id: m for m in (await sdk(acme).models.list()).data}
+        assert models["sql"].parent == "tiny" and models["acme-chat"].parent == "tiny"
+        assert "acme-chat" not in {m.id for m in (await sdk(other).models.list()).data}
+
+        async def greedy(headers, model):
+            return await sdk(headers).completions.create(model=model, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                                         temperature=0, extra_body={"ignore_eos": True})
+
+        for model, name in (("sql", "sql"), ("acme-chat", "chat"), ("tiny", None)):
+            reply = await greedy(acme, model)
+            assert reply.model == model
+            assert reply.choices[0].text == engine.tokenizer.decode(expected[name][0])
+        with pytest.raises(openai.NotFoundError) as missing:
+            await greedy(other, "acme-chat")
+        with pytest.raises(openai.NotFoundError) as unknown:
+            await greedy(other, "no-such-model")
+        assert missing.value.body["message"].replace("acme-chat", "X") == \
+            unknown.value.body["message"].replace("no-such-model", "X")
+
+        client.gateway.ledger.flush()
+        records = (await client.get("/admin/usage", params={"tenant": "acme"}, headers=AUTH)).json()["records"]
+        assert sorted(str(r["adapter"]) for r in records) == ["None", "acme-chat", "sql"]

@@ -66,13 +66,14 @@ class AdapterView:
     owner: str | None  # a tenant; None: the operator's
     tenants: frozenset[str]  # who may use it besides its owner
     limits: QuotaLimits  # on every use of it, whoever calls
+    everyone: bool = False  # served by its backend from launch: any tenant that may use the base may use it
 
     @property
     def name(self) -> str:
         return self.adapter.name
 
     def allows(self, tenant: str) -> bool:
-        return tenant == self.owner or tenant in self.tenants
+        return self.everyone or tenant == self.owner or tenant in self.tenants
 
 
 @dataclass(frozen=True)
