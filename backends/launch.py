@@ -60,9 +60,15 @@ class LaunchSpec:
     data_parallel: int = 1  # engine replicas the runtime itself balances
     kv_tokens: int | None = None  # llama.cpp: one KV pool of this many tokens shared by the slots
     lora_modules: dict[str, str] = field(default_factory=dict)  # adapter name -> path or hub id
-    max_loras: int | None = None  # adapters one batch may mix
+    # Adapters one batch may mix; set without `lora_modules`, LoRA is enabled for adapters loaded at
+    # run time (vLLM, SGLang).
+    max_loras: int | None = None
     max_lora_rank: int | None = None
     extra_args: list[str] = field(default_factory=list)
+
+    @property
+    def lora(self) -> bool:
+        return bool(self.lora_modules or self.max_loras)
 
 
 def lora_modules(pairs: list[str]) -> dict[str, str]:
@@ -125,6 +131,9 @@ VLLM_CACHED_TOKENS_FLAG = "--enable-prompt-tokens-details"
 
 # vLLM's LoRAConfig.max_lora_rank is one of these (vllm/config/lora.py, MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# vLLM serves /v1/load_lora_adapter and /v1/unload_lora_adapter only with this set to 1 or true
+# (vllm/envs.py, entrypoints/serve/lora/api_router.py; 0.32).
+VLLM_RUNTIME_LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 
 def lora_rank_for_vllm(rank: int) -> int:
@@ -146,15 +155,16 @@ def _vllm(s: LaunchSpec):
             *_opt("--data-parallel-size", s.data_parallel if s.data_parallel > 1 else None),
             *_opt("--kv-cache-dtype", s.kv_cache_dtype), *_opt("--max-num-seqs", s.max_running_requests),
             VLLM_CACHED_TOKENS_FLAG]
-    if s.lora_modules:
+    if s.lora:
         argv += ["--enable-lora", "--max-loras", str(s.max_loras or len(s.lora_modules)),
-                 *_opt("--max-lora-rank", s.max_lora_rank and lora_rank_for_vllm(s.max_lora_rank)),
-                 "--lora-modules", *_pairs(s.lora_modules)]
+                 *_opt("--max-lora-rank", s.max_lora_rank and lora_rank_for_vllm(s.max_lora_rank))]
+    if s.lora_modules:
+        argv += ["--lora-modules", *_pairs(s.lora_modules)]
     if s.expert_parallel:  # its EP size is the TP size (docs/serving/expert_parallel_deployment)
         argv.append("--enable-expert-parallel")
     if s.prefix_caching is not None:
         argv.append("--enable-prefix-caching" if s.prefix_caching else "--no-enable-prefix-caching")
-    return argv, {}
+    return argv, VLLM_RUNTIME_LORA_ENV if s.lora else {}
 
 
 def _sglang(s: LaunchSpec):
@@ -165,9 +175,17 @@ def _sglang(s: LaunchSpec):
             *_opt("--dp-size", s.data_parallel if s.data_parallel > 1 else None),
             *_opt("--kv-cache-dtype", s.kv_cache_dtype), *_opt("--max-running-requests", s.max_running_requests),
             "--enable-cache-report"]  # its usage then counts the prompt tokens its radix cache served
-    if s.lora_modules:
+    if s.lora:
         argv += ["--enable-lora", *_opt("--max-loras-per-batch", s.max_loras),
-                 *_opt("--max-lora-rank", s.max_lora_rank), "--lora-paths", *_pairs(s.lora_modules)]
+                 *_opt("--max-lora-rank", s.max_lora_rank)]
+    if s.lora_modules:
+        argv += ["--lora-paths", *_pairs(s.lora_modules)]
+    elif s.lora:
+        # Its LoRA memory pool is sized from the adapters at launch, or from both flags
+        # (sglang 0.5.23 arg_groups/lora_hook.py `check_lora_server_args`).
+        if not s.max_lora_rank:
+            raise LaunchError("SGLang without adapters at launch needs the largest rank of those loaded later")
+        argv += ["--lora-target-modules", "all"]
     if s.prefix_caching is False:
         argv.append("--disable-radix-cache")
     return argv, {}
@@ -184,10 +202,16 @@ def _tgi(s: LaunchSpec):
             *_opt("--kv-cache-dtype", TGI_KV.get(s.kv_cache_dtype or "")),
             # The running batch; TGI's --max-concurrent-requests is an admission limit (429 beyond it).
             *_opt("--max-batch-size", s.max_running_requests)]
+    _adapters_at_launch(s)
     if s.lora_modules:  # adapter ids or name=path pairs, loaded at start (launcher --lora-adapters)
         argv += ["--lora-adapters", ",".join(_pairs(s.lora_modules))]
     # Prefix caching is no TGI flag: the PREFIX_CACHING environment variable (default true).
     return argv, {} if s.prefix_caching is None else {"PREFIX_CACHING": "1" if s.prefix_caching else "0"}
+
+
+def _adapters_at_launch(s: LaunchSpec) -> None:
+    if s.lora and not s.lora_modules:
+        raise LaunchError(f"{s.runtime} loads LoRA adapters at launch only: name them")
 
 
 def _no_expert_parallel(s: LaunchSpec, reason: str) -> None:
@@ -220,7 +244,8 @@ def _llama_server(s: LaunchSpec):
         # whole per-request context.
         argv += _opt("-c", s.context_length * (s.max_running_requests or 1) if s.context_length else None)
     argv += _opt("-np", s.max_running_requests)
-    for path in s.lora_modules.values():
+    _adapters_at_launch(s)
+    for path in s.lora_modules.values():  # GGUF files (llama.cpp's convert_lora_to_gguf.py makes them)
         argv += ["--lora", path]
     if s.lora_modules:  # loaded at scale 0: each request applies the adapter it names (`lora`: [{id, scale}])
         argv.append("--lora-init-without-apply")
@@ -235,6 +260,7 @@ def _llama_server(s: LaunchSpec):
 
 def _llama_cpp_python(s: LaunchSpec):
     _no_tensor_parallel(s, "use llama-server for several GPUs")
+    _adapters_at_launch(s)
     if len(s.lora_modules) > 1 or s.data_parallel > 1:
         raise LaunchError("llama-cpp-python's server loads one model and one LoRA adapter: use llama-server")
     if (s.max_running_requests or 1) > 1:

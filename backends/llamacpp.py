@@ -10,6 +10,15 @@ the server's tokenizer, or asks it once more without streaming, to say what went
 text prompt's tokens are counted by its `/extras/tokenize/count`. llama-server says a prompt
 does not fit with the error type `exceed_context_size_error` and answers `/health` with 503
 while it loads its model.
+
+LoRA: llama.cpp reads GGUF adapters only (a PEFT directory converts with its
+`convert_lora_to_gguf.py`), and both loaders take them at load time only. llama-server (the build
+`backends.peers` makes, llama-cpp-python 0.3.36's vendored llama.cpp) loads `--lora FILE` at launch
+(`common/arg.cpp`), lists them by id and path at `GET /lora-adapters`, and applies the ones a
+request's `lora` ([{id, scale}], any route; those left out at scale 0) names
+(`tools/server/server-schema.cpp`, `server-context.cpp` `construct_lora_list`); requests of another
+adapter set never share a batch (`server_slot::can_batch_with`). llama-cpp-python's `Llama` applies
+one `lora_path` to the whole model when it loads it (`llama_cpp/llama.py`).
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import aiohttp
@@ -29,6 +38,7 @@ import aiohttp
 from . import fields
 from .base import (
     MAX_LOGPROBS,
+    Adapter,
     Backend,
     BackendError,
     Capabilities,
@@ -40,6 +50,7 @@ from .base import (
     Health,
     InvalidRequest,
     Load,
+    ModelNotFound,
     TokenSpan,
     Unavailable,
     UpstreamError,
@@ -77,21 +88,47 @@ class LlamaCppServerBackend(OpenAICompatBackend):
         if self.python_server:
             self.EXTRA_FIELDS = fields.LLAMA_CPP_SERVER
         self.props: dict = {}
+        self.launched_loras: list[dict] = []  # llama-server's `/lora-adapters`: {id, path, scale}
+        self.lora_ids: dict[str, int] = {}  # the adapters servable by name, and their ids
 
     async def start(self) -> None:
         """llama-server's `/props`: its build (`build_info`, e.g. "b6500-3f4ed9a7"), its slots and
-        each slot's context (`default_generation_settings.n_ctx`) when `/v1/models` has none."""
+        each slot's context (`default_generation_settings.n_ctx`) when `/v1/models` has none; the
+        LoRA adapters it loaded."""
         await super().start()
         if not self.python_server:
             self.props = await self.get_json("/props")
             n_ctx = (self.props.get("default_generation_settings") or {}).get("n_ctx")
             self._max_context = self._max_context or reported_count(n_ctx)
+            self.launched_loras = [a for a in await self.get_json("/lora-adapters", list) if isinstance(a, dict)]
 
     async def capabilities(self) -> Capabilities:
         return Capabilities(runtime=self.config.runtime, version=str(self.props.get("build_info", "")),
                             model=self.config.model, max_context=self._max_context,
                             prefix_caching=not self.python_server,  # llama-server: cache_prompt, on by default
-                            tokenize=not self.python_server)
+                            tokenize=not self.python_server, max_loras=1 if self.launched_loras else 0,
+                            adapters=frozenset(self.lora_ids))
+
+    async def load_adapter(self, adapter: Adapter) -> None:
+        """Servable by name where llama-server loaded its file at launch."""
+        if self.python_server:
+            await super().load_adapter(adapter)  # refused: it applies one adapter to the whole model (--lora_path)
+        found = next((a for a in self.launched_loras if PurePath(str(a.get("path"))) == PurePath(adapter.path)), None)
+        if found is None:
+            raise InvalidRequest(f"llama-server loads LoRA adapters at launch only (--lora FILE, a GGUF file; a PEFT "
+                                 f"directory converts with llama.cpp's convert_lora_to_gguf.py): {adapter.path} is not "
+                                 f"among those backend {self.name!r} was started with", param="model")
+        self.lora_ids[adapter.name] = found["id"]
+
+    async def unload_adapter(self, name: str) -> None:
+        """Forgotten here; llama-server keeps it loaded."""
+        if name not in self.lora_ids:
+            await super().unload_adapter(name)
+        del self.lora_ids[name]
+
+    def upstream_model(self, request: GenerateRequest) -> str:
+        """llama-server names an adapter in `lora` (`_body`), the model staying the base."""
+        return super().upstream_model(request) if self.python_server else self.config.model
 
     def _body(self, request: GenerateRequest) -> tuple[str, dict]:
         """llama-server reuses a slot's cached prompt prefix when the request asks (`cache_prompt`,
@@ -99,6 +136,12 @@ class LlamaCppServerBackend(OpenAICompatBackend):
         path, body = super()._body(request)
         if not self.python_server:
             body.setdefault("cache_prompt", True)
+            if request.adapter is not None:  # at PEFT's scale: llama.cpp multiplies alpha / rank by it
+                if request.adapter not in self.lora_ids:
+                    raise ModelNotFound(f"backend {self.name!r} has no LoRA adapter {request.adapter!r}", param="model")
+                body["lora"] = [{"id": self.lora_ids[request.adapter], "scale": 1.0}]
+            elif self.launched_loras:  # none: the launch's scales would apply otherwise
+                body["lora"] = [{"id": self.launched_loras[0]["id"], "scale": 0.0}]
         elif request.messages is not None:  # its template reads strings only
             body["messages"] = text_only(request.messages)
         return path, body
@@ -107,14 +150,16 @@ class LlamaCppServerBackend(OpenAICompatBackend):
         """From llama-server's `llamacpp:*` metrics (with `--metrics`), else from `/slots` (on by
         default): the slots processing a request. llama-cpp-python's server has neither."""
         m = await self.scrape()
+        resident = frozenset(self.lora_ids)  # every adapter it loaded stays in memory
         if m or self.python_server:
             return Load(running=reported_count(m.total("llamacpp:requests_processing")),
                         waiting=reported_count(m.total("llamacpp:requests_deferred")),
                         details=m.pick(prompt_tokens_total="llamacpp:prompt_tokens_total",
-                                       tokens_predicted_total="llamacpp:tokens_predicted_total"))
+                                       tokens_predicted_total="llamacpp:tokens_predicted_total"),
+                        resident_adapters=resident)
         slots = await self.get_json("/slots", list)
         return Load(running=sum(bool(slot.get("is_processing")) for slot in slots),
-                    details={"slots": float(len(slots))} if slots else {})
+                    details={"slots": float(len(slots))} if slots else {}, resident_adapters=resident)
 
     async def tokenize(self, text: str) -> list[TokenSpan]:
         """llama-server's `/tokenize` with `with_pieces`: each token's piece, as text or, where
@@ -331,7 +376,14 @@ class LlamaCppBackend(Backend):
             slot.thread.shutdown(wait=False)
         self._slots = []
 
+    async def load_adapter(self, adapter: Adapter) -> None:
+        raise InvalidRequest(f"llama.cpp in process applies a LoRA adapter to the whole model when it loads it "
+                             f"(llama-cpp-python's Llama(lora_path=...)): backend {self.name!r} loads none at run time",
+                             param="model")
+
     def _check(self, request: GenerateRequest) -> None:
+        if request.adapter is not None:
+            raise ModelNotFound(f"backend {self.name!r} has no LoRA adapter {request.adapter!r}", param="model")
         if request.n != 1:
             raise InvalidRequest("llama.cpp slots generate one sequence per request: n must be 1", param="n")
         if request.prompt_token_ids is not None:

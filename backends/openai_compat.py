@@ -61,6 +61,11 @@ class OpenAICompatConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     # Request fields this upstream takes beyond those its adapter knows (a custom server's own).
     extra_fields: list[str] = field(default_factory=list)
+    # LoRA, where the server reports it nowhere: the adapters it loaded at launch, by the names requests
+    # use (TGI's `--lora-adapters` ids), and its limits (vLLM's `--max-loras`, `--max-lora-rank`).
+    adapters: list[str] = field(default_factory=list)
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
 
 class OpenAICompatBackend(Backend):
@@ -109,7 +114,7 @@ class OpenAICompatBackend(Backend):
     # -- generation -------------------------------------------------------------------------
     def _body(self, request: GenerateRequest) -> tuple[str, dict]:
         body = {
-            **request.extra, "model": self.config.model, "stream": True,
+            **request.extra, "model": self.upstream_model(request), "stream": True,
             "stream_options": {"include_usage": True}, "temperature": request.temperature, "top_p": request.top_p,
             "n": request.n,
         }
@@ -125,6 +130,13 @@ class OpenAICompatBackend(Backend):
             return "/v1/chat/completions", body | {"messages": request.messages}
         prompt = request.prompt if request.prompt is not None else list(request.prompt_token_ids)
         return "/v1/completions", body | {"prompt": prompt}
+
+    def upstream_model(self, request: GenerateRequest) -> str:
+        """The `model` an upstream request names. A runtime that serves LoRA adapters overrides it with
+        how its requests name one; elsewhere a request for one is refused, never answered by the base."""
+        if request.adapter is not None:
+            raise InvalidRequest(f"backend {self.name!r} does not serve LoRA adapters", param="model")
+        return self.config.model
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         path, body = self._body(request)
@@ -231,6 +243,29 @@ class OpenAICompatBackend(Backend):
             return kind()
         return answer if isinstance(answer, kind) else kind()
 
+    async def served_adapters(self) -> dict[str, str] | None:
+        """The LoRA adapters the upstream serves now, name -> path: the `/v1/models` cards whose
+        `parent` is the base model, `root` their path (vLLM's and SGLang's cards). None where it did
+        not answer."""
+        models = (await self.get_json("/v1/models")).get("data")
+        if not isinstance(models, list):
+            return None
+        return {str(m["id"]): str(m.get("root") or "") for m in models
+                if isinstance(m, dict) and m.get("id") and m.get("parent") == self.config.model}
+
+    async def post_route(self, path: str, body: dict) -> tuple[int, bytes]:
+        """A POST to a control route (an adapter's load): its status and body; a refused connection or
+        a timeout as the taxonomy's."""
+        try:
+            async with await self._post(path, body) as response:
+                return response.status, await response.read()
+        except aiohttp.ClientConnectorError as exc:
+            raise Unavailable(f"{self.name}: cannot connect to {self.config.base_url}: {exc}") from exc
+        except TimeoutError as exc:
+            raise BackendTimeout(f"{self.name}: no answer within {self.config.timeouts.first_byte:g} s") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(f"{self.name}: {type(exc).__name__}: {exc}") from exc
+
     async def scrape(self, path: str = "/metrics") -> Samples:
         """A Prometheus endpoint's samples; empty if it has none."""
         try:
@@ -248,6 +283,7 @@ class Samples:
     per engine or data-parallel rank: counts and counters add up (`total`), fractions such as KV
     usage average (`mean`)."""
     values: dict[str, list[float]] = field(default_factory=dict)
+    labels: dict[str, list[dict[str, str]]] = field(default_factory=dict)  # each value's
 
     @classmethod
     def parse(cls, text: str) -> Samples:
@@ -258,6 +294,7 @@ class Samples:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 samples.values.setdefault(sample.name, []).append(sample.value)
+                samples.labels.setdefault(sample.name, []).append(sample.labels)
         return samples
 
     def __bool__(self) -> bool:
@@ -272,6 +309,12 @@ class Samples:
     def mean(self, name: str) -> float | None:
         found = self.values.get(name)
         return sum(found) / len(found) if found else None
+
+    def latest_labels(self, name: str) -> dict[str, str]:
+        """The labels of `name`'s highest value: an info gauge's current label set, where the runtime
+        sets each set's value to the time it last reported it (vLLM's `vllm:lora_requests_info`)."""
+        values = self.values.get(name)
+        return self.labels[name][values.index(max(values))] if values else {}
 
     def pick(self, **names: str) -> dict[str, float]:
         """Totals under our names (`Load.details`), of those the server exposes."""

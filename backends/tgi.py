@@ -5,6 +5,14 @@ one carrying `details`; errors arrive as `{"error", "error_type"}` events on a 2
 chat goes to TGI's OpenAI-compatible `/v1/chat/completions`, which applies the model's template.
 `/info` gives the capabilities, `/health` the health. Facts: TGI's `router/src/server.rs` and
 `docs/openapi.json` (TGI 3.3), summarized in the project's reference notes.
+
+LoRA (TGI 3.3.7): adapters load at launch only (`--lora-adapters`, the LORA_ADAPTERS environment
+variable, `ID` or `ID=PATH` each), and no route lists them: the backend is told their ids
+(`adapters`). `/generate_stream` names one by `parameters.adapter_id`; the chat route takes its
+`model` as the adapter id unless it is "tgi" (`router/src/server.rs`, `lib.rs`). The router passes
+the id on unchecked (`validation.rs`), and the shard runs an id it did not load as the base model
+(`server/text_generation_server/models/flash_causal_lm.py`, `ADAPTER_TO_INDEX.get(adapter_id, 0)`):
+an adapter this backend was not told of is refused here.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from collections.abc import AsyncIterator
 
 from . import fields
 from .base import (
+    Adapter,
     BackendError,
     Capabilities,
     ContextTooLong,
@@ -23,6 +32,7 @@ from .base import (
     GenerateRequest,
     InvalidRequest,
     Load,
+    ModelNotFound,
     Overloaded,
     TokenSpan,
     UpstreamError,
@@ -50,6 +60,7 @@ class TGIBackend(OpenAICompatBackend):
     def __init__(self, config: OpenAICompatConfig, name: str = "tgi") -> None:
         super().__init__(config, name)
         self._info: dict = {}
+        self.adapters = frozenset(config.adapters)
 
     async def start(self) -> None:
         self.config.runtime = "tgi"
@@ -80,9 +91,30 @@ class TGIBackend(OpenAICompatBackend):
     async def _model_max_len(self) -> int:
         return 0  # TGI says it in /info, read at start
 
+    def upstream_model(self, request: GenerateRequest) -> str:
+        """The chat route's `model` is the adapter id."""
+        if request.adapter is None:
+            return self.config.model
+        if request.adapter not in self.adapters:  # TGI would answer with the base model
+            raise ModelNotFound(f"TGI backend {self.name!r} has no LoRA adapter {request.adapter!r}", param="model")
+        return request.adapter
+
+    async def load_adapter(self, adapter: Adapter) -> None:
+        if adapter.name not in self.config.adapters:
+            raise InvalidRequest(f"TGI loads LoRA adapters at launch only (--lora-adapters): {adapter.name!r} is not "
+                                 f"among those backend {self.name!r} was started with", param="model")
+        self.adapters |= {adapter.name}
+
+    async def unload_adapter(self, name: str) -> None:
+        """Forgotten here; TGI keeps it loaded."""
+        if name not in self.adapters:
+            await super().unload_adapter(name)
+        self.adapters -= {name}
+
     def _parameters(self, request: GenerateRequest) -> dict:
         params = {**request.extra, "details": True, "max_new_tokens": request.max_tokens, "seed": request.seed,
-                  "stop": list(request.stop)}
+                  "stop": list(request.stop),
+                  "adapter_id": None if request.adapter is None else self.upstream_model(request)}
         if request.temperature >= 1e-5:  # TGI is greedy unless asked to sample
             params |= {"do_sample": True, "temperature": request.temperature,
                        "top_p": None if request.top_p == 1.0 else request.top_p,  # as in `_body`
@@ -127,10 +159,16 @@ class TGIBackend(OpenAICompatBackend):
         m = await self.scrape()
         return Load(running=reported_count(m.total("tgi_batch_current_size")),
                     waiting=reported_count(m.total("tgi_queue_size")),
-                    details=m.pick(batch_current_max_tokens="tgi_batch_current_max_tokens"))
+                    details=m.pick(batch_current_max_tokens="tgi_batch_current_max_tokens"),
+                    resident_adapters=self.adapters)  # all of them, from its launch on
 
     async def capabilities(self) -> Capabilities:
         return Capabilities(runtime="tgi", version=str(self._info.get("version", "")),
                             model=str(self._info.get("model_id") or self.config.model), max_context=self._max_context,
-                            prefix_caching=True,  # TGI 3: PREFIX_CACHING defaults to true (launcher/src/main.rs)
-                            tokenize=True)
+                            # TGI 3: PREFIX_CACHING defaults to true, but to false beside LoRA adapters
+                            # (launcher/src/main.rs `resolve_attention`)
+                            prefix_caching=not self.config.adapters,
+                            tokenize=True,
+                            # a batch mixes every adapter it loaded (segmented by adapter, layers/lora.py)
+                            max_loras=len(self.config.adapters), max_lora_rank=self.config.max_lora_rank,
+                            adapters=self.adapters)

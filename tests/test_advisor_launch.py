@@ -5,6 +5,7 @@ its adapter."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import shlex
 import subprocess
@@ -16,7 +17,7 @@ from advisor.examples import SCENARIOS
 from advisor.hardware import resolve as hardware
 from advisor.model_facts import resolve
 from backends import peers
-from backends.launch import free_port, supervised
+from backends.launch import VLLM_RUNTIME_LORA_ENV, free_port, supervised
 from tests.conftest import provisioned_or_skip
 
 # Beyond the examples: the flags only some scenarios ask for.
@@ -45,6 +46,13 @@ for argv in json.load(sys.stdin):
                 "lora": sorted(m.name for m in args.lora_modules or ()), "max_lora_rank": args.max_lora_rank})
 print(json.dumps(out))
 """
+
+
+def _command(line: str) -> tuple[list[str], dict[str, str]]:
+    """A shell line's argv and the environment assignments before it."""
+    argv = shlex.split(line, comments=True)
+    env = dict(word.split("=", 1) for word in itertools.takewhile(lambda word: "=" in word, argv))
+    return argv[len(env):], env
 
 
 def _lines(runtime: str) -> list[tuple[str, str]]:
@@ -78,7 +86,7 @@ def test_every_vllm_line_of_the_examples_parses_with_vllms_own_parser():
     assert any("--kv-transfer-config" in line for _, line in lines) and any("--headless" in line for _, line in lines)
     argvs = []
     for _, line in lines:
-        argv = shlex.split(line, comments=True)
+        argv, _ = _command(line)
         assert argv[:2] == ["vllm", "serve"], line
         argvs.append(argv[2:])
     argvs.append(["m", "--enable-lora", "--max-lora-rank", "17"])  # the check can fail: 17 is no rank of vLLM's
@@ -130,14 +138,15 @@ def test_a_lora_scenarios_vllm_line_serves_a_request_through_its_adapter(tmp_pat
     assert vllm.verdict != "excluded", vllm.reasons
     line = vllm.launch["runtime_command"]
     assert f"--lora-modules support={adapter}" in line and "--max-model-len 2048" in line
-    argv = shlex.split(line)
+    argv, env = _command(line)
+    assert env == VLLM_RUNTIME_LORA_ENV  # adapters may be loaded at run time too
     port = free_port()
     argv[argv.index("--port") + 1] = str(port)
     # `vllm serve MODEL ...` as the module the peers' environment runs (its `vllm` script reads a
     # distribution's version that the CPU build's install does not record).
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", argv[2], *argv[3:]]
     url = f"http://127.0.0.1:{port}"
-    with supervised(command, url, "/health", peers.vllm_env(), 900):
+    with supervised(command, url, "/health", peers.vllm_env() | env, 900):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
         assert "support" in {m.id for m in client.models.list()}
         done = client.completions.create(model="support", prompt="Hello", max_tokens=8, temperature=0)
