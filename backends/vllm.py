@@ -116,8 +116,9 @@ class VLLMBackend(OpenAICompatBackend):
 
     async def load(self) -> Load:
         """From `/metrics`; the adapters it serves re-read from `/v1/models` (loaded or dropped by
-        others since), those with requests running from `vllm:lora_requests_info`'s current labels
-        (`v1/metrics/loggers.py`: the ones it holds in its LoRA slots for sure)."""
+        others since); as resident, those with requests in flight, running or next to run, from
+        `vllm:lora_requests_info`'s current labels (`v1/metrics/loggers.py`, `stats.py`
+        `LoRARequestStates`): vLLM says which its LoRA slots hold nowhere else."""
         m = await self.scrape()
         served = await self.served_adapters()
         if served is not None:

@@ -15,7 +15,7 @@ import pytest
 from backends.base import Adapter, GenerateRequest, InvalidRequest, ModelNotFound, UpstreamError
 from backends.launch import VLLM_RUNTIME_LORA_ENV, LaunchError, LaunchSpec, command
 from backends.llamacpp import LlamaCppBackend, LlamaCppServerBackend, llama_server_config
-from backends.openai_compat import OpenAICompatBackend, OpenAICompatConfig
+from backends.openai_compat import OpenAICompatBackend, OpenAICompatConfig, Samples
 from backends.sglang import SGLangBackend
 from backends.tgi import TGIBackend
 from backends.vllm import VLLMBackend
@@ -88,6 +88,16 @@ def test_vllms_load_failures_in_the_taxonomy():
     assert isinstance(rank, InvalidRequest) and "rank 32" in rank.message
     assert isinstance(error(400, "The lora adapter 'sql' conflicts with a served base model."), InvalidRequest)
     assert isinstance(error(500, "EngineCore died", "InternalServerError"), UpstreamError)  # the server's fault
+
+
+def test_the_current_label_set_of_an_info_gauge_is_its_latest():
+    """vLLM sets each label set of `vllm:lora_requests_info` to the time it saw it (`v1/metrics/loggers.py`)."""
+    scraped = Samples.parse(
+        "# TYPE vllm:lora_requests_info gauge\n"
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql,chat",waiting_lora_adapters=""} 1.8e9\n'
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7e9\n')
+    assert scraped.latest_labels("vllm:lora_requests_info")["running_lora_adapters"] == "sql,chat"
+    assert scraped.latest_labels("vllm:num_requests_running") == {}
 
 
 # -- SGLang, replayed ---------------------------------------------------------------------------------
