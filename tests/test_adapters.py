@@ -244,6 +244,13 @@ def test_the_router_prefers_the_replica_with_the_adapter_resident_then_loaded():
     assert set(plain) == {"a", "b", "c"}  # without an adapter the weights alone decide
 
 
+def test_round_robin_without_adapter_affinity_takes_the_targets_in_turn_whatever_they_hold():
+    router = router_over("a", "b", "c", balance="round-robin", adapter_affinity=False)
+    router.fleet["c"].load = Load(resident_adapters=frozenset({"support"}))
+    firsts = [router.resolve("base", ["base"], RequestFacts(adapter="support")).candidates[0].name for _ in range(6)]
+    assert firsts == ["a", "b", "c", "a", "b", "c"]
+
+
 def test_the_prefix_index_keeps_adapters_and_cache_salts_apart():
     spec = PrefixAware(block_chars=16, blocks=4)
     prompt = "You are a helpful assistant. " * 4

@@ -331,3 +331,14 @@ def test_bench_drives_llama_cpp_in_process(tmp_path):
     assert data["total_output_tokens"] > 0 and data["median_ttft_ms"] > 0
     result = CliRunner().invoke(app, ["bench", "--backend", "vllm"])
     assert result.exit_code == 2 and "unknown backend" in result.output
+
+
+def test_lora_modules_spread_shared_prefix_groups_over_the_base_and_each_adapter():
+    from advisor.measure.datasets import Conversation, Turn, spread_models
+
+    conversations = [Conversation([Turn("q", 4)], prefix=f"system {i % 3}") for i in range(9)]
+    spread_models(conversations, [None, "a1", "a2"])
+    assert [c.model for c in conversations] == [None, "a1", "a2"] * 3  # a group's conversations ask for one model
+    plain = [Conversation([Turn("q", 4)]) for _ in range(4)]
+    spread_models(plain, [None, "a1"])
+    assert [c.model for c in plain] == [None, "a1", None, "a1"]

@@ -25,6 +25,7 @@ from .datasets import (
     multi_turn_dataset,
     random_dataset,
     shared_prefix_dataset,
+    spread_models,
     trace_dataset,
 )
 from .metrics import knee, kv_summary, parse_goodput, summarize
@@ -103,7 +104,7 @@ def build_dataset(name: str, tokenizer, num_prompts: int, seed: int, opts: dict)
 async def run_once(target, conversations: list[Conversation], rate: float, burstiness: float, seed: int,
                    max_concurrency: int | None, warmups: int, slo: dict, trace: bool) -> dict:
     for conversation in conversations[:warmups]:
-        await measure(target, conversation.prompt(0), conversation.turns[0].max_tokens, 0.0)
+        await measure(target, conversation.prompt(0), conversation.turns[0].max_tokens, 0.0, conversation.model)
     total = sum(len(c.turns) for c in conversations)
     arrivals = None if trace else arrival_times(len(conversations), rate, burstiness, seed)
     columns = (TextColumn(f"rate {rate:g}/s"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -185,6 +186,9 @@ def bench(
     gsp_output_len: Annotated[int, typer.Option()] = 128,
     multi_turn_turns: Annotated[int, typer.Option()] = 3,
     trace: Annotated[str | None, typer.Option(help="JSONL trace for --dataset trace.")] = None,
+    lora_modules: Annotated[str | None, typer.Option(
+        help="LoRA adapters the target serves, comma-separated: the base model and each adapter take the "
+             "conversations (a shared-prefix group each) in turn.")] = None,
     request_rate: Annotated[float, typer.Option(help="Requests/s (inf: all at once).")] = math.inf,
     burstiness: Annotated[float, typer.Option(help="Gamma shape of arrivals; 1 is Poisson.")] = 1.0,
     max_concurrency: Annotated[int | None, typer.Option(help="Requests in flight at most.")] = None,
@@ -237,6 +241,8 @@ def bench(
 
     async def measure_all(the_target) -> list[dict]:
         conversations = build_dataset(dataset, tok, num_prompts, seed, opts)  # replies reset on every run
+        if lora_modules:
+            spread_models(conversations, [None, *lora_modules.split(",")])
         await the_target.prepare()
         try:
             runs = []

@@ -29,6 +29,7 @@ class Conversation:
     prefix: str = ""  # e.g. a system prompt shared by a group
     arrival: float | None = None  # seconds, from a trace
     replies: list[str] = field(default_factory=list)  # filled while the benchmark runs
+    model: str | None = None  # what it asks for (a LoRA adapter); None: the target's model
 
     def prompt(self, turn: int) -> str:
         parts = [self.prefix]
@@ -112,3 +113,12 @@ def trace_dataset(path: str | Path, tokenizer=None, seed: int = 0) -> list[Conve
     for c in conversations:
         c.arrival -= start
     return sorted(conversations, key=lambda c: c.arrival)
+
+
+def spread_models(conversations: list[Conversation], models: list[str | None]) -> None:
+    """Give each conversation one of `models`: those sharing a prefix (a shared-prefix group, one
+    customer's system prompt) the same one, the groups (or the conversations, where none shares
+    one) each the next in turn."""
+    groups: dict[str | int, int] = {}
+    for i, conversation in enumerate(conversations):
+        conversation.model = models[groups.setdefault(conversation.prefix or i, len(groups)) % len(models)]

@@ -12,15 +12,17 @@ from .metrics import RequestResult
 from .targets import Counts, TargetError
 
 
-async def measure(target, prompt: str, max_tokens: int, run_start: float) -> tuple[RequestResult, str]:
-    """One request: time to first text, gaps between later texts, end to end; never raises."""
+async def measure(target, prompt: str, max_tokens: int, run_start: float,
+                  model: str | None = None) -> tuple[RequestResult, str]:
+    """One request (to `model`, else the target's): time to first text, gaps between later texts,
+    end to end; never raises."""
     sent = time.perf_counter()
     result = RequestResult(prompt_tokens=0, start=sent - run_start)
     pieces: list[str] = []
     counts = Counts()
     last = sent
     try:
-        async for piece in target.generate(prompt, max_tokens):
+        async for piece in target.generate(prompt, max_tokens, model):
             if isinstance(piece, Counts):
                 counts = piece
                 continue
@@ -174,7 +176,8 @@ async def run_workload(target, conversations: list[Conversation], arrivals: list
         conversation.replies = []
         for index, turn in enumerate(conversation.turns):
             async with limit or contextlib.nullcontext():
-                result, reply = await measure(target, conversation.prompt(index), turn.max_tokens, start)
+                result, reply = await measure(target, conversation.prompt(index), turn.max_tokens, start,
+                                              conversation.model)
             conversation.replies.append(reply)
             results.append(result)
             if on_result:

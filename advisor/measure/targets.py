@@ -86,8 +86,8 @@ class OpenAITarget:
             models = (await self.client.get("/v1/models", headers=self.headers)).json()["data"]
             self.model = models[0]["id"]
 
-    async def generate(self, prompt: str, max_tokens: int) -> AsyncIterator[Piece]:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+    async def generate(self, prompt: str, max_tokens: int, model: str | None = None) -> AsyncIterator[Piece]:
+        body = {"model": model or self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                 "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
         async with self.client.stream("POST", "/v1/completions", json=body, headers=self.headers) as response:
             await _checked(response)
@@ -119,8 +119,9 @@ class TGITarget:
     async def prepare(self) -> None:
         pass
 
-    async def generate(self, prompt: str, max_tokens: int) -> AsyncIterator[Piece]:
-        body = {"inputs": prompt, "parameters": {"max_new_tokens": max_tokens, "do_sample": False, "details": True}}
+    async def generate(self, prompt: str, max_tokens: int, model: str | None = None) -> AsyncIterator[Piece]:
+        parameters = {"max_new_tokens": max_tokens, "do_sample": False, "details": True}
+        body = {"inputs": prompt, "parameters": parameters | ({"adapter_id": model} if model else {})}
         async with self.client.stream("POST", "/generate_stream", json=body, headers=self.headers) as response:
             await _checked(response)
             async for event in _sse_events(response):
@@ -149,9 +150,9 @@ class BackendTarget:
     async def prepare(self) -> None:
         await self.backend.start()
 
-    async def generate(self, prompt: str, max_tokens: int) -> AsyncIterator[Piece]:
+    async def generate(self, prompt: str, max_tokens: int, model: str | None = None) -> AsyncIterator[Piece]:
         request = GenerateRequest(request_id=f"bench-{uuid.uuid4().hex}", prompt=prompt, max_tokens=max_tokens,
-                                  temperature=0.0, ignore_eos=True)
+                                  temperature=0.0, ignore_eos=True, adapter=model)
         async for event in self.backend.generate(request):
             if isinstance(event, Delta):
                 yield event.text

@@ -104,6 +104,7 @@ class Router:
         self.routes: dict[str, RouteState] = {}
         self.rng = random.Random(seed)
         self.prefixes = PrefixIndex()
+        self.turns: dict[str, int] = {}  # round-robin: the last turn given, per route
 
     def models(self) -> list[str]:
         served = self.fleet.served
@@ -157,13 +158,17 @@ class Router:
         ready = [t for t in targets if t not in open_]
         first, reason = None, "weighted"
         # an adapter's request: the first is chosen among the targets readiest to serve it
-        rank = {t.backend: fleet[t.backend].adapter_rank(facts.adapter) for t in ready} if facts.adapter else {}
+        rank = {t.backend: fleet[t.backend].adapter_rank(facts.adapter) for t in ready} \
+            if facts.adapter and spec.adapter_affinity else {}
         pool = [t for t in ready if rank[t.backend] == min(rank.values())] if rank else ready
         if pool and spec.prefix_aware is not None:
             first, reason = self._by_prefix(pool, spec.prefix_aware, hashes, owner, depth)
         if first is None and pool and spec.balance == "least-loaded":
             first = min(pool, key=lambda t: (fleet[t.backend].waiting, fleet[t.backend].kv_usage, -t.weight))
             reason = "least-loaded"
+        if first is None and pool and spec.balance == "round-robin":
+            self.turns[alias] = turn = self.turns.get(alias, -1) + 1
+            first, reason = pool[turn % len(pool)], "round-robin"
         if first is None and pool:
             first = self.rng.choices(pool, weights=[t.weight for t in pool])[0]
         if rank:

@@ -61,8 +61,11 @@ class RouteSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     targets: list[Target] = Field(min_length=1)
     fallbacks: list[str] = []
-    balance: Literal["weighted", "least-loaded"] = "weighted"
+    balance: Literal["weighted", "least-loaded", "round-robin"] = "weighted"
     prefix_aware: PrefixAware | None = None
+    # a LoRA adapter's request goes to a target with the adapter in its compute slots, else loaded,
+    # before one that must load it (then by `balance` among the readiest)
+    adapter_affinity: bool = True
     shadow: Shadow | None = None
     rules: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9_-]*$")  # a file in policies/rules
     timeout_s: float | None = Field(default=None, gt=0)
