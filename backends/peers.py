@@ -9,10 +9,12 @@ conformance suite, the benchmarks and `servegate advise --measure`.
   platform from a version ending in `+cpu`: the environment gets that record.
 - llama.cpp's `llama-server`: built with CMake from the llama.cpp source that llama-cpp-python's
   sdist vendors (`vendor/llama.cpp/tools/server`), the same release the in-process backend runs.
+- llama.cpp's `convert_lora_to_gguf.py` (with the `convert_hf_to_gguf.py` and `gguf-py` it
+  imports) from the same source: PEFT adapters as llama.cpp's tools write them into GGUF files.
 - transformers 4: the oldest transformers servegate supports, tokenizers only (no torch), so the
   converted model directories are checked to tokenize alike on 4.x, on 5.x and in vLLM.
 
-`python -m backends.peers [vllm] [llama-server] [transformers4]` provisions them under
+`python -m backends.peers [vllm] [llama-server] [lora-converter] [transformers4]` provisions them under
 `~/.cache/servegate/peers/` (`SERVEGATE_PEERS_DIR`), once: a later call finds them there. Each
 `*_command()` says how to start one, or raises `PeerMissing` with the reason.
 """
@@ -142,17 +144,49 @@ def provision_vllm() -> Path:
     return target
 
 
+def _llama_cpp_source(work: str) -> Path:
+    """The llama.cpp tree llama-cpp-python's sdist vendors, extracted under `work`."""
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                    "-d", work, f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], check=True)
+    (sdist,) = Path(work).glob("llama_cpp_python-*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        archive.extractall(work, filter="data")
+    return Path(work) / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+
+
+def lora_converter() -> Path:
+    """llama.cpp's `convert_lora_to_gguf.py` (run it with this Python: torch, transformers, numpy)."""
+    script = home() / "llama.cpp" / "convert" / "convert_lora_to_gguf.py"
+    if not script.exists():
+        raise PeerMissing(f"llama.cpp's LoRA converter is not in {script.parent}: "
+                          f"{failure('lora-converter') or 'run `python -m backends.peers lora-converter`'}")
+    return script
+
+
+def provision_lora_converter() -> Path:
+    target = home() / "llama.cpp" / "convert"
+    if (target / "convert_lora_to_gguf.py").exists():
+        return target
+    with tempfile.TemporaryDirectory() as work:
+        source = _llama_cpp_source(work)
+        staging = Path(work) / "convert"
+        staging.mkdir()
+        for name in ("convert_lora_to_gguf.py", "convert_hf_to_gguf.py"):
+            shutil.copy2(source / name, staging / name)
+        for package in ("gguf-py", "conversion"):  # what the converters import, where this release has it
+            if (source / package).is_dir():
+                shutil.copytree(source / package, staging / package)
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(staging, target)
+    return target
+
+
 def provision_llama_server() -> Path:
     target = home() / "llama.cpp"
     if (target / "bin" / "llama-server").exists():
         return target
     with tempfile.TemporaryDirectory() as work:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                        "-d", work, f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], check=True)
-        (sdist,) = Path(work).glob("llama_cpp_python-*.tar.gz")
-        with tarfile.open(sdist) as archive:
-            archive.extractall(work, filter="data")
-        source = Path(work) / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+        source = _llama_cpp_source(work)
         build = Path(work) / "build"
         # Native kernels, as users build it; where llama.cpp's AMX path fails, `cpu.for_this_cpu`
         # starts it with --no-repack.
@@ -182,7 +216,7 @@ def provision_transformers4() -> Path:
 
 
 PROVISIONERS = {"vllm": provision_vllm, "llama-server": provision_llama_server,
-                "transformers4": provision_transformers4}
+                "lora-converter": provision_lora_converter, "transformers4": provision_transformers4}
 
 
 def failure(name: str) -> str:

@@ -81,6 +81,27 @@ def test_fewer_slots_than_adapters_serve_every_request_and_count_loads(make_engi
     assert len(engine.resident_adapters()) == 2
 
 
+def test_a_gguf_lora_written_by_llama_cpps_converter_serves_as_its_peft_directory(make_engine, tiny_model,
+                                                                                  tiny_model_dir, adapters, expected,
+                                                                                  tmp_path):
+    """llama.cpp's own `convert_lora_to_gguf.py` (Q and K in its interleaved-RoPE row order, alpha in
+    the file's metadata) turns the PEFT adapter into a GGUF file; the engine serves it token for token
+    as PEFT serves the directory."""
+    import subprocess
+    import sys
+
+    from backends import peers
+
+    from .conftest import provisioned_or_skip
+
+    converter = provisioned_or_skip(peers.lora_converter)
+    gguf = tmp_path / "chat.gguf"
+    subprocess.run([sys.executable, str(converter), adapters["chat"], "--base", str(tiny_model_dir), "--outfile",
+                    str(gguf), "--outtype", "f32"], check=True, capture_output=True)
+    engine = make_engine(tiny_model, dtype="float32", max_lora_rank=16, lora=[f"chat={gguf}"])
+    assert run(engine, [("chat", prompt) for prompt in PROMPTS]) == expected["chat"]
+
+
 def test_the_prefix_cache_is_kept_apart_per_adapter(make_engine, tiny_model, adapters):
     engine = make_engine(tiny_model, dtype="float32", max_lora_rank=16,
                          lora=[f"{name}={path}" for name, path in adapters.items()])

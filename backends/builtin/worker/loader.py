@@ -164,14 +164,14 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
             config["rope_freq_factors"] = weight.tolist()
             continue
         if name.endswith("attn_q.weight"):
-            weight = _unpermute(weight, heads)
+            weight = unpermute(weight, heads)
         elif name.endswith("attn_k.weight"):
-            weight = _unpermute(weight, kv_heads)
-        weights[_hf_name(name)] = weight
+            weight = unpermute(weight, kv_heads)
+        weights[hf_name(name)] = weight
     return config, weights
 
 
-def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's interleaved-RoPE row order for Q/K (Hugging Face uses rotate-half)."""
     rows = weight.shape[0]
     return weight.reshape(num_heads, rows // num_heads // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
@@ -185,7 +185,7 @@ _GGUF_TO_HF = {
 }
 
 
-def _hf_name(name: str) -> str:
+def hf_name(name: str) -> str:
     if name.startswith("blk."):
         _, layer, part, kind = name.split(".")
         return f"model.layers.{layer}.{_GGUF_TO_HF[part]}.{kind}"

@@ -1,4 +1,5 @@
-"""LoRA adapters, many in one step: read from PEFT's files, held in host memory, and copied into a
+"""LoRA adapters, many in one step: read from PEFT's files (or llama.cpp's GGUF conversion of them),
+held in host memory, and copied into a
 bounded number of compute slots (least recently used out) that each targeted Linear adds from,
 every token with its own sequence's adapter (`csrc/lora.cpp`, S-LoRA's gather-matmul).
 
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from backends.builtin.worker.gguf_file import gguf_field
+from backends.builtin.worker.loader import hf_name, unpermute
 from backends.builtin.worker.models.llama import PACKED, LlamaConfig
 
 # The projections an adapter may target, by Hugging Face's module names (PEFT's `target_modules`).
@@ -36,12 +39,29 @@ class LoRAWeights:
 
 
 def read_adapter(path: str | Path, config: LlamaConfig, max_rank: int) -> LoRAWeights:
-    """A PEFT LoRA directory (adapter_config.json + adapter_model.safetensors), checked against the
-    model: ValueError naming what does not fit."""
-    directory = Path(path)
+    """A PEFT LoRA directory (adapter_config.json + adapter_model.safetensors) or a GGUF LoRA file,
+    checked against the model: ValueError naming what does not fit."""
+    path = Path(path)
+    adapter = _read_gguf(path, config) if path.suffix == ".gguf" else _read_peft(path)
+    for module, (a, b) in adapter.items():
+        rank = a.shape[0]
+        if rank > max_rank:
+            raise ValueError(f"{path}: rank {rank} of {module} exceeds max_lora_rank {max_rank}")
+        expected_in, expected_out = _shape(config, module)
+        if tuple(a.shape) != (rank, expected_in) or tuple(b.shape) != (expected_out, rank):
+            raise ValueError(f"{path}: {module} has factors {tuple(a.shape)} and {tuple(b.shape)}, this model "
+                             f"needs ({rank}, {expected_in}) and ({expected_out}, {rank})")
+    if not adapter:
+        raise ValueError(f"{path}: no LoRA factors in the adapter's weights")
+    return LoRAWeights(max(a.shape[0] for a, _ in adapter.values()), adapter)
+
+
+def _read_peft(directory: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """PEFT's factors by module, B scaled by `lora_alpha / r` (its per-module `alpha_pattern`, rsLoRA's
+    `/ sqrt(r)`), the settings this engine cannot apply refused by name."""
     config_file = directory / "adapter_config.json"
     if not config_file.is_file():
-        raise ValueError(f"{directory} is not a PEFT adapter directory (no adapter_config.json)")
+        raise ValueError(f"{directory} is not a PEFT adapter directory (no adapter_config.json) nor a GGUF file")
     spec = json.loads(config_file.read_text())
     if spec.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{directory}: peft_type {spec['peft_type']!r} is not LORA")
@@ -65,18 +85,47 @@ def read_adapter(path: str | Path, config: LlamaConfig, max_rank: int) -> LoRAWe
         if module.rsplit(".", 1)[-1] not in TARGETS:
             raise ValueError(f"{directory}: target {module} is not supported (supported: {', '.join(TARGETS)})")
         rank = a.shape[0]
-        if rank > max_rank:
-            raise ValueError(f"{directory}: rank {rank} of {module} exceeds max_lora_rank {max_rank}")
         alpha = _pattern(spec.get("alpha_pattern"), module, spec.get("lora_alpha", 8))
         scaling = alpha / math.sqrt(rank) if spec.get("use_rslora") else alpha / rank
-        expected_in, expected_out = _shape(config, module)
-        if tuple(a.shape) != (rank, expected_in) or tuple(b.shape) != (expected_out, rank):
-            raise ValueError(f"{directory}: {module} has factors {tuple(a.shape)} and {tuple(b.shape)}, this model "
-                             f"needs ({rank}, {expected_in}) and ({expected_out}, {rank})")
         factors[module] = (a.float(), b.float() * scaling)
-    if not factors:
-        raise ValueError(f"{directory}: no LoRA factors in the adapter's weights")
-    return LoRAWeights(max(a.shape[0] for a, _ in factors.values()), factors)
+    return factors
+
+
+def _read_gguf(path: Path, config: LlamaConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """llama.cpp's LoRA GGUF (`convert_lora_to_gguf.py`): `general.type` adapter, `adapter.type` lora,
+    tensors `<base tensor>.lora_a` [r, in] and `.lora_b` [out, r], Q and K's B rows in the base's
+    interleaved-RoPE order; scaled as llama.cpp's `build_lora_mm` scales them: `adapter.lora.alpha / r`,
+    or 1 without an alpha."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(path)
+    if gguf_field(reader, "general.type") != "adapter" or gguf_field(reader, "adapter.type") != "lora":
+        raise ValueError(f"{path} is not a GGUF LoRA adapter (general.type adapter, adapter.type lora)")
+    alpha = gguf_field(reader, "adapter.lora.alpha", 0.0)
+    tensors = {}
+    for tensor in reader.tensors:
+        array = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape.tolist())))
+        tensors[tensor.name] = torch.from_numpy(array.astype("float32"))
+    factors = {}
+    for name, a in tensors.items():
+        if not name.endswith(".lora_a"):
+            continue
+        base = name.removesuffix(".lora_a")
+        b = tensors.get(f"{base}.lora_b")
+        if b is None:
+            raise ValueError(f"{path}: {base} has lora_a but no lora_b")
+        try:
+            module = hf_name(base).removesuffix(".weight")
+        except (KeyError, ValueError):
+            raise ValueError(f"{path}: target {base} is not supported") from None
+        if module.rsplit(".", 1)[-1] not in TARGETS:
+            raise ValueError(f"{path}: target {module} is not supported (supported: {', '.join(TARGETS)})")
+        if base.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config.num_attention_heads if "attn_q" in base else config.num_key_value_heads
+            b = unpermute(b, heads)
+        factors[module] = (a, b * (alpha / a.shape[0] if alpha else 1.0))
+    return factors
 
 
 def _read_tensors(directory: Path) -> dict[str, torch.Tensor]:
