@@ -18,7 +18,15 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 
 from sqlalchemy import Engine
 
-from backends.base import NANO_USD_PER_USD, Adapter, Backend, ContextTooLong, GenerateRequest, TokenSpan
+from backends.base import (
+    NANO_USD_PER_USD,
+    Adapter,
+    Backend,
+    ContextTooLong,
+    GenerateRequest,
+    InvalidRequest,
+    TokenSpan,
+)
 from gateway.errors import GatewayError
 from gateway.inference.admission import Admission
 from gateway.inference.call import Call, Outcome, Shared, refusal
@@ -55,7 +63,7 @@ class Gateway:
         self.settings, self.db = settings, db
         self.fleet = Fleet(backends, Breaker(settings.breaker_failures, settings.breaker_cooldown_s),
                            lambda: Admission(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s))
-        self.router = Router(self.fleet, settings.route_seed)
+        self.router = Router(self.fleet, settings.route_seed, adapters=lambda name: self.directory.adapters.get(name))
         self.directory = Directory(db, settings)
         self.quotas: QuotaStore = RedisQuotaStore(
             settings.redis_url, settings.quota_lease_s, history=self._spent, fail=settings.quota_redis_down,
@@ -203,7 +211,10 @@ class Gateway:
                              adapter.name if adapter else None, self.cache_salt(principal))
         with trace.step("gateway.route") as span:
             decision = self.router.resolve(adapter.base if adapter else model, self.visible_models(principal), facts)
-            decision.adapter = adapter
+            if adapter is not None and decision.adapter is not None:
+                raise InvalidRequest(f"the LoRA adapter {adapter.name!r} applies to {adapter.base!r}, whose route "
+                                     f"applies the adapter {decision.adapter.name!r} itself", param="model")
+            decision.adapter = decision.adapter or adapter
             if span.is_recording():
                 span.set_attributes(decided(decision))
         return decision

@@ -202,6 +202,38 @@ async def test_an_adapters_own_rpm_limit_answers_429_for_every_tenant_using_it(t
         assert (await complete(client, owner, "base")).status_code == 200  # the base model is not limited
 
 
+async def test_an_adapters_new_version_is_canaried_and_rolled_back_as_a_route_version(tmp_path):
+    """Route `support` applies adapter support-v1; a canary version applies support-v2 to half the
+    requests; a rollback sends them all to v1 again. Usage is counted per adapter version."""
+    backend = LoraBackend("one")
+    async with running({"base": backend}, tmp_path, route_seed=7, usage_flush_s=0.1) as client:
+        for version in ("v1", "v2"):
+            await register(client, name=f"support-{version}", path=f"{PATH}-{version}")
+        for version, share in (("v1", None), ("v2", 0.5)):
+            deployed = await client.post("/admin/routes/support/deploy", headers=AUTH, json={
+                "spec": {"targets": [{"backend": "one"}], "adapter": f"support-{version}"}} |
+                ({"canary_share": share} if share else {}))
+            assert deployed.status_code == 201, deployed.text
+        unknown = await client.post("/admin/routes/support/deploy", headers=AUTH, json={
+            "spec": {"targets": [{"backend": "one"}], "adapter": "support-v3"}, "canary_share": 0.5})
+        assert unknown.status_code == 404 and "support-v3" in unknown.text
+        client.gateway.load_routes()
+        for _ in range(20):
+            assert (await complete(client, AUTH, "support")).status_code == 200
+        assert {r.adapter for r in backend.requests} == {"support-v1", "support-v2"}
+        assert (await client.post("/admin/routes/support/rollback", headers=AUTH,
+                                  json={"reason": "v2 answers worse"})).status_code == 200
+        client.gateway.load_routes()
+        backend.requests.clear()
+        for _ in range(10):
+            assert (await complete(client, AUTH, "support")).status_code == 200
+        assert {r.adapter for r in backend.requests} == {"support-v1"}
+        client.gateway.ledger.flush()
+        records = (await client.get("/admin/usage", params={"tenant": "default"}, headers=AUTH)).json()["records"]
+        assert {r["adapter"] for r in records} == {"support-v1", "support-v2"}
+        assert {r["route"] for r in records} == {"support@1", "support@2"}
+
+
 async def test_tgi_adapter_id_selects_the_adapter(tmp_path):
     backend = LoraBackend("one")
     async with running({"base": backend}, tmp_path) as client:

@@ -12,10 +12,12 @@ generator); what it knows of the targets it reads from the fleet, and changes no
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from backends.base import Backend, InvalidRequest, ModelNotFound
@@ -99,8 +101,10 @@ class PrefixIndex:
 
 
 class Router:
-    def __init__(self, fleet: Fleet, seed: int | None = None) -> None:
-        self.fleet = fleet
+    def __init__(self, fleet: Fleet, seed: int | None = None,
+                 adapters: Callable[[str], AdapterView | None] = lambda name: None) -> None:
+        """`adapters`: the registered LoRA adapter of a name, for the route versions that apply one."""
+        self.fleet, self.adapters = fleet, adapters
         self.routes: dict[str, RouteState] = {}
         self.rng = random.Random(seed)
         self.prefixes = PrefixIndex()
@@ -137,10 +141,17 @@ class Router:
         version, variant = state.active, "active"
         if state.canary is not None and (version is None or self.rng.random() < (state.canary.share or 0.0)):
             version, variant = state.canary, "canary"
+        adapter = None
+        if version.spec.adapter is not None:
+            adapter = self.adapters(version.spec.adapter)
+            if adapter is None:  # unregistered since the deploy
+                raise ModelNotFound(f"route {alias!r} version {version.version} applies the LoRA adapter "
+                                    f"{version.spec.adapter!r}, which is not registered", param="model")
+            facts = dataclasses.replace(facts, adapter=adapter.name)
         order, reason = self._order(alias, version, facts)
         mirror = version.spec.shadow
         shadow = self.fleet.backend(mirror.backend) if mirror and self.rng.random() < mirror.share else None
-        return Decision(alias, order, alias, version.version, variant, reason, version.spec.timeout_s, shadow)
+        return Decision(alias, order, alias, version.version, variant, reason, version.spec.timeout_s, shadow, adapter)
 
     def _order(self, alias: str, version: RouteOut, facts: RequestFacts) -> tuple[list[Backend], str]:
         spec, now = version.spec, time.monotonic()

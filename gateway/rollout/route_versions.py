@@ -26,7 +26,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlmodel import Session, col, select
 
-from gateway.tables import AuditLog, Route
+from gateway.tables import AdapterRecord, AuditLog, Route
 from gateway.tenancy.tenants import NAME_PATTERN, Conflict, NotFound, audit
 from policies import rules
 
@@ -66,6 +66,9 @@ class RouteSpec(BaseModel):
     # a LoRA adapter's request goes to a target with the adapter in its compute slots, else loaded,
     # before one that must load it (then by `balance` among the readiest)
     adapter_affinity: bool = True
+    # a registered LoRA adapter every target applies: an adapter's versions are a route's versions,
+    # canaried, promoted and rolled back as any
+    adapter: str | None = Field(default=None, min_length=1)
     shadow: Shadow | None = None
     rules: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9_-]*$")  # a file in policies/rules
     timeout_s: float | None = Field(default=None, gt=0)
@@ -136,6 +139,10 @@ def deploy(session: Session, actor: str, alias: str, spec: RouteSpec, canary_sha
     if known_backends is not None and (unknown := [b for b in spec.backends() if b not in known_backends]):
         raise NotFound(f"route {alias!r} names backends this gateway does not have: {', '.join(unknown)} "
                        f"(known: {', '.join(sorted(known_backends))})")
+    if spec.adapter is not None and session.exec(select(AdapterRecord).where(
+            AdapterRecord.name == spec.adapter)).first() is None:
+        raise NotFound(f"route {alias!r} applies the LoRA adapter {spec.adapter!r}, which is not registered "
+                       "(servegate adapters add)")
     versions = _versions(session, alias)
     active, canary = _with_status(versions, "active"), _with_status(versions, "canary")
     if canary_share is not None and active is None:
