@@ -10,9 +10,10 @@ a final chunk without choices. Runtime adapters (vLLM, SGLang, ...) are profiles
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -167,25 +168,32 @@ class OpenAICompatBackend(Backend):
         `[DONE]` or the end of the stream. Refused connections, timeouts and HTTP errors become the
         matching `BackendError`."""
         try:
-            async with await self._post(path, body, headers=headers) as response:
-                if response.status >= 400:
-                    raise self.error_for_status(response.status, await response.read())
-                async for line in response.content:  # either framing; comments and blank lines skipped
-                    if line.startswith(b"data:"):
-                        data = line[5:].strip()
-                        if data == b"[DONE]":
-                            return
-                        yield msgspec.json.decode(data)
+            with self._transport_errors():
+                async with await self._post(path, body, headers=headers) as response:
+                    if response.status >= 400:
+                        raise self.error_for_status(response.status, await response.read())
+                    async for line in response.content:  # either framing; comments and blank lines skipped
+                        if line.startswith(b"data:"):
+                            data = line[5:].strip()
+                            if data == b"[DONE]":
+                                return
+                            yield msgspec.json.decode(data)
+        except aiohttp.http_exceptions.LineTooLong as exc:  # not a ClientError
+            raise UpstreamError(f"{self.name}: an event longer than {exc.args[1]} bytes") from exc
+        except (ValueError, msgspec.DecodeError) as exc:
+            raise UpstreamError(f"{self.name}: an event is not JSON: {exc}") from exc
+
+    @contextlib.contextmanager
+    def _transport_errors(self) -> Iterator[None]:
+        """A refused connection, a timeout or a broken exchange as the taxonomy's errors."""
+        try:
+            yield
         except aiohttp.ClientConnectorError as exc:
             raise Unavailable(f"{self.name}: cannot connect to {self.config.base_url}: {exc}") from exc
         except TimeoutError as exc:
             raise BackendTimeout(f"{self.name}: no answer within {self.config.timeouts.first_byte:g} s") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"{self.name}: {type(exc).__name__}: {exc}") from exc
-        except aiohttp.http_exceptions.LineTooLong as exc:  # not a ClientError
-            raise UpstreamError(f"{self.name}: an event longer than {exc.args[1]} bytes") from exc
-        except (ValueError, msgspec.DecodeError) as exc:
-            raise UpstreamError(f"{self.name}: an event is not JSON: {exc}") from exc
 
     def error_for_status(self, status: int, body: bytes) -> BackendError:
         return error_from_status(status, body)
@@ -256,15 +264,9 @@ class OpenAICompatBackend(Backend):
     async def post_route(self, path: str, body: dict) -> tuple[int, bytes]:
         """A POST to a control route (an adapter's load): its status and body; a refused connection or
         a timeout as the taxonomy's."""
-        try:
+        with self._transport_errors():
             async with await self._post(path, body) as response:
                 return response.status, await response.read()
-        except aiohttp.ClientConnectorError as exc:
-            raise Unavailable(f"{self.name}: cannot connect to {self.config.base_url}: {exc}") from exc
-        except TimeoutError as exc:
-            raise BackendTimeout(f"{self.name}: no answer within {self.config.timeouts.first_byte:g} s") from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamError(f"{self.name}: {type(exc).__name__}: {exc}") from exc
 
     async def scrape(self, path: str = "/metrics") -> Samples:
         """A Prometheus endpoint's samples; empty if it has none."""

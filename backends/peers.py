@@ -45,13 +45,18 @@ def home() -> Path:
     return Path(os.environ.get("SERVEGATE_PEERS_DIR", Path.home() / ".cache" / "servegate" / "peers"))
 
 
-def _venv_python(peer: str, what: str) -> Path:
-    """The Python of a peer's virtual environment, once provisioning finished (its `ready` mark)."""
-    python = home() / peer / "bin" / "python"
-    if not (home() / peer / "ready").exists():
-        raise PeerMissing(f"{what} is not provisioned in {python.parent.parent}: "
+def _provisioned(path: Path, peer: str) -> Path:
+    """`path`, where `peer` provisioned it; else PeerMissing saying why it is not there."""
+    if not path.exists():
+        raise PeerMissing(f"{peer} is not provisioned ({path} is missing): "
                           f"{failure(peer) or f'run `python -m backends.peers {peer}`'}")
-    return python
+    return path
+
+
+def _venv_python(peer: str) -> Path:
+    """The Python of a peer's virtual environment, once provisioning finished (its `ready` mark)."""
+    _provisioned(home() / peer / "ready", peer)
+    return home() / peer / "bin" / "python"
 
 
 def _new_venv(target: Path) -> Path:
@@ -62,7 +67,7 @@ def _new_venv(target: Path) -> Path:
 
 
 def vllm_python() -> Path:
-    return _venv_python("vllm", "vLLM's CPU build")
+    return _venv_python("vllm")
 
 
 def vllm_command(model_dir: str | Path, port: int, served_name: str, max_model_len: int = 2048,
@@ -106,11 +111,7 @@ def vllm_env(threads: int | None = None, kv_cache_gib: int = 2) -> dict[str, str
 
 
 def llama_server() -> Path:
-    binary = home() / "llama.cpp" / "bin" / "llama-server"
-    if not binary.exists():
-        raise PeerMissing(f"llama-server is not built in {binary.parent}: "
-                          f"{failure('llama-server') or 'run `python -m backends.peers llama-server`'}")
-    return binary
+    return _provisioned(home() / "llama.cpp" / "bin" / "llama-server", "llama-server")
 
 
 def llama_server_command(model: str | Path, port: int, alias: str, context_per_slot: int = 2048,
@@ -156,11 +157,7 @@ def _llama_cpp_source(work: str) -> Path:
 
 def lora_converter() -> Path:
     """llama.cpp's `convert_lora_to_gguf.py` (run it with this Python: torch, transformers, numpy)."""
-    script = home() / "llama.cpp" / "convert" / "convert_lora_to_gguf.py"
-    if not script.exists():
-        raise PeerMissing(f"llama.cpp's LoRA converter is not in {script.parent}: "
-                          f"{failure('lora-converter') or 'run `python -m backends.peers lora-converter`'}")
-    return script
+    return _provisioned(home() / "llama.cpp" / "convert" / "convert_lora_to_gguf.py", "lora-converter")
 
 
 def provision_lora_converter() -> Path:
@@ -201,7 +198,7 @@ def provision_llama_server() -> Path:
 
 
 def transformers4_python() -> Path:
-    return _venv_python("transformers4", f"transformers {TRANSFORMERS_4}")
+    return _venv_python("transformers4")
 
 
 def provision_transformers4() -> Path:
