@@ -30,6 +30,10 @@ class Settings(BaseSettings):
     quota_redis_down: Literal["open", "closed"] = "open"
     # A concurrency slot in Redis is a lease its replica renews: a dead replica's slots free after this.
     quota_lease_s: float = 15.0
+    # A tenant's administrator registers LoRA adapters only from under `<this>/<tenant>/` (a path
+    # elsewhere, through `..` or a link included, is refused: runtimes read it with the gateway's
+    # reach); unset, only operators register adapters.
+    tenant_adapter_dir: Path | None = None
     # The first admin key, used only when the database holds no key yet.
     admin_key: str | None = None
     # Keys, tenants and routes are served from memory and re-read this often.

@@ -115,13 +115,21 @@ async def test_an_adapter_serves_its_owner_and_is_missing_for_another_tenant_exa
 
 
 async def test_an_adapter_shared_with_a_tenant_serves_it_and_a_tenant_administrator_registers_only_its_own(tmp_path):
-    async with running({"base": LoraBackend("one")}, tmp_path) as client:
+    root = tmp_path / "tenant-adapters"
+    async with running({"base": LoraBackend("one")}, tmp_path, tenant_adapter_dir=root) as client:
         admin = await tenant(client, "acme", scopes=("admin", "inference"))
         partner, outsider = await tenant(client, "initech"), await tenant(client, "globex")
-        made = await register(client, admin, owner="globex", tenants=["initech"])
+        own = str(root / "acme" / "support")
+        made = await register(client, admin, owner="globex", tenants=["initech"], path=own)
         assert made.status_code == 404  # another tenant's name, to a tenant administrator
-        made = await register(client, admin, tenants=["initech"])
+        for elsewhere in (PATH, str(root / "globex" / "theirs"), str(root / "acme" / ".." / "globex" / "theirs"),
+                          "acme/support"):  # runtimes read what they are given: only the tenant's own directory
+            refused = await register(client, admin, path=elsewhere)
+            assert refused.status_code == 403 and refused.json()["error"]["code"] == "adapter_path_forbidden"
+        made = await register(client, admin, tenants=["initech"], path=own)
         assert made.status_code == 201 and made.json()["owner"] == "acme"
+        moved = await client.patch("/admin/adapters/support", json={"path": PATH}, headers=admin)
+        assert moved.status_code == 403
         assert (await complete(client, partner, "support")).status_code == 200
         assert (await complete(client, outsider, "support")).status_code == 404
 
@@ -138,6 +146,14 @@ async def test_an_adapter_shared_with_a_tenant_serves_it_and_a_tenant_administra
         actions = [(e["action"], e["target"]) for e in (await client.get("/admin/audit", headers=AUTH)).json()]
         assert {("adapter.create", "support"), ("adapter.update", "support"), ("adapter.delete", "support"),
                 ("adapter.create", "house")} <= set(actions)
+
+
+async def test_without_a_tenant_adapter_directory_only_operators_register_adapters(tmp_path):
+    async with running({"base": LoraBackend("one")}, tmp_path) as client:
+        admin = await tenant(client, "acme", scopes=("admin", "inference"))
+        refused = await register(client, admin, path=str(tmp_path / "acme" / "support"))
+        assert refused.status_code == 403 and "Only an operator" in refused.json()["error"]["message"]
+        assert (await register(client, owner="acme", path=PATH)).status_code == 201
 
 
 async def test_each_backend_loads_an_adapter_once_and_its_requests_are_billed_per_adapter(tmp_path):

@@ -132,6 +132,7 @@ def list_adapters(admin: AdminPrincipal, session: SessionDep):
 def create_adapter(body: AdapterIn, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep):
     """A tenant administrator's adapter is its tenant's; an operator's is whose `owner` says."""
     body = body.model_copy(update={"owner": _own(admin, body.owner)})
+    adapters.check_path(body.path, _reach(admin), gateway.settings.tenant_adapter_dir)
     adapter = adapters.create_adapter(session, admin.subject, body, set(gateway.router.models()))
     _changed(gateway)
     return adapter
@@ -139,6 +140,8 @@ def create_adapter(body: AdapterIn, admin: AdminPrincipal, session: SessionDep, 
 
 @router.patch("/adapters/{name:path}", response_model=AdapterOut)
 def update_adapter(name: str, body: AdapterPatch, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep):
+    if body.path is not None:
+        adapters.check_path(body.path, _reach(admin), gateway.settings.tenant_adapter_dir)
     adapter = adapters.update_adapter(session, admin.subject, name, body, _reach(admin))
     _changed(gateway)
     return adapter

@@ -7,10 +7,12 @@ transaction, as tenants' and keys' are."""
 from __future__ import annotations
 
 from datetime import datetime
+from pathlib import Path
 
 from pydantic import Field
 from sqlmodel import Session, select
 
+from gateway.errors import GatewayError
 from gateway.tables import AdapterRecord, Tenant, UsageLimits
 from gateway.tenancy.tenants import NAME_PATTERN, Conflict, NotFound, audit
 
@@ -50,6 +52,20 @@ def _out(row: AdapterRecord) -> AdapterOut:
 
 def _json(row: AdapterRecord) -> dict:
     return _out(row).model_dump(mode="json")
+
+
+def check_path(path: str, tenant: str | None, root: Path | None) -> None:
+    """A tenant administrator's adapter lies under `<root>/<tenant>/`, where its tenant put it (the
+    runtimes read any path they are given); an operator's (`tenant` None) anywhere."""
+    if tenant is None:
+        return
+    if root is None:
+        raise GatewayError(403, "Only an operator registers adapter paths here (SERVEGATE_TENANT_ADAPTER_DIR "
+                                "is unset).", "permission_error", code="adapter_path_forbidden")
+    own = (root / tenant).resolve()
+    if not Path(path).is_absolute() or not Path(path).resolve().is_relative_to(own):
+        raise GatewayError(403, f"A tenant's adapters lie under {own}/.", "permission_error",
+                           code="adapter_path_forbidden")
 
 
 def _known_tenants(session: Session, names: list[str]) -> None:
