@@ -88,6 +88,7 @@ class Gateway:
         if isinstance(self.quotas, MemoryQuotaStore):
             self.quotas.seed(await self._spent())
         self.spawn(self.directory.run())
+        self.spawn(self._unload_stale_adapters())
         self.supervise("usage ledger writer", self.ledger.run)
         self.supervise("usage checkpoints", self._checkpoints)
         self.supervise("spool recovery", self._recoveries)
@@ -181,6 +182,14 @@ class Gateway:
                     launched.setdefault(name, AdapterView(Adapter(name, ""), model, None, frozenset(), QuotaLimits(),
                                                           everyone=True))
         return launched
+
+    async def _unload_stale_adapters(self) -> None:
+        """Adapters unregistered or moved are unloaded from the backends this replica loaded them on,
+        once its directory says so."""
+        while True:
+            await asyncio.sleep(self.settings.refresh_s)
+            await self.fleet.unload_stale(lambda name: view.adapter if (view := self.directory.adapters.get(name))
+                                          else None)
 
     def usable_adapter(self, principal: Principal, name: str | None) -> AdapterView | None:
         """The LoRA adapter `name` names, where the caller may use it: its tenant's own or one shared

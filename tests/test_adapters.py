@@ -32,6 +32,7 @@ class LoraBackend(Backend):
         self.name, self.lora = name, lora
         self.loaded: set[str] = set()
         self.loads: list[Adapter] = []
+        self.unloads: list[str] = []
         self.requests = []
 
     async def generate(self, request):
@@ -56,6 +57,10 @@ class LoraBackend(Backend):
         self.loads.append(adapter)
         await asyncio.sleep(0.05)  # reading weights takes a while
         self.loaded.add(adapter.name)
+
+    async def unload_adapter(self, name: str) -> None:
+        self.unloads.append(name)
+        self.loaded.discard(name)
 
 
 @contextlib.asynccontextmanager
@@ -179,6 +184,28 @@ async def test_each_backend_loads_an_adapter_once_and_its_requests_are_billed_pe
         assert 'servegate_requests_total{adapter="support",backend="one",model="base",status="ok",' \
                'tenant="acme"} 4.0' in metrics
         assert 'servegate_adapter_load_seconds_count{backend="one"} 1.0' in metrics
+
+
+async def test_an_adapter_moved_or_unregistered_is_unloaded_from_the_backends_that_loaded_it(tmp_path):
+    backend = LoraBackend("one")
+    async with running({"base": backend}, tmp_path, refresh_s=0.05) as client:
+        await register(client, owner="default")
+        assert (await complete(client, AUTH, "support")).status_code == 200
+        assert (await client.patch("/admin/adapters/support", json={"path": f"{PATH}-v2"},
+                                   headers=AUTH)).status_code == 200
+        for _ in range(100):
+            if backend.unloads:
+                break
+            await asyncio.sleep(0.02)
+        assert backend.unloads == ["support"]  # the old weights are not served under the name any more
+        assert (await complete(client, AUTH, "support")).status_code == 200
+        assert backend.loads == [Adapter("support", PATH), Adapter("support", f"{PATH}-v2")]
+        assert (await client.delete("/admin/adapters/support", headers=AUTH)).status_code == 200
+        for _ in range(100):
+            if len(backend.unloads) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert backend.unloads == ["support", "support"] and not backend.loaded
 
 
 async def test_a_backend_that_cannot_serve_adapters_is_passed_over_and_named_when_none_is_left(tmp_path):

@@ -241,10 +241,12 @@ class Call:
         counted in its outcome, its span and a histogram."""
         adapter = self.decision.adapter.adapter
         started = time.monotonic()
-        async with self.shared.fleet[backend.name].adapter_loads.setdefault(adapter.name, asyncio.Lock()):
+        member = self.shared.fleet[backend.name]
+        async with member.adapter_loads.setdefault(adapter.name, asyncio.Lock()):
             missing = adapter.name not in (await backend.capabilities()).adapters
             if missing:
                 await backend.load_adapter(adapter)
+                member.loaded_adapters[adapter.name] = adapter
         took = time.monotonic() - started  # a wait for another request's load is this one's too
         self.adapter_load_s += took
         span.set_attribute("servegate.adapter.load_s", took)

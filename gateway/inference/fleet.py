@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
-from backends.base import Backend, BackendError, Capabilities, Health, Load
+from backends.base import Adapter, Backend, BackendError, Capabilities, Health, Load
 from gateway.inference.admission import Admission
 
 
@@ -65,6 +65,7 @@ class Member:
     down: bool = False  # its health check says so
     # one load of a LoRA adapter at a time: the requests that find it missing meanwhile wait for it
     adapter_loads: dict[str, asyncio.Lock] = field(default_factory=dict)
+    loaded_adapters: dict[str, Adapter] = field(default_factory=dict)  # by this replica, as registered then
 
     def available(self, now: float) -> bool:
         return not self.down and self.breaker.allows(now)
@@ -151,6 +152,17 @@ class Fleet:
                     continue
                 member.load = await member.backend.load()
                 member.capabilities = await member.backend.capabilities()
+
+    async def unload_stale(self, registered: Callable[[str], Adapter | None]) -> None:
+        """Unload what this replica loaded for an adapter since unregistered or moved to another path
+        (a request for the new one then loads it afresh); adapters a backend served from its launch
+        are not this replica's to unload."""
+        for member in self.members.values():
+            for name, adapter in list(member.loaded_adapters.items()):
+                if registered(name) != adapter:
+                    with contextlib.suppress(Exception):  # gone already, or the backend is down: no harm
+                        await member.backend.unload_adapter(name)
+                    del member.loaded_adapters[name]
 
     async def watch(self, names: Callable[[], Iterable[str]], interval_s: float) -> None:
         """Poll the members `names()` gives, every `interval_s`, for the replica's life."""
