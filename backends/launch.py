@@ -247,7 +247,9 @@ def _llama_server(s: LaunchSpec):
     _adapters_at_launch(s)
     for path in s.lora_modules.values():  # GGUF files (llama.cpp's convert_lora_to_gguf.py makes them)
         argv += ["--lora", path]
-    if s.lora_modules:  # loaded at scale 0: each request applies the adapter it names (`lora`: [{id, scale}])
+    if s.lora_modules:
+        # Not applied at load (common/common.cpp); a request without `lora` still gets each adapter at
+        # its launch scale, 1.0 (GET /lora-adapters): servegate's say `lora` always (backends/llamacpp.py).
         argv.append("--lora-init-without-apply")
     if s.kv_cache_dtype:
         # A quantized V cache needs flash attention in llama.cpp.

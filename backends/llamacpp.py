@@ -16,8 +16,10 @@ LoRA: llama.cpp reads GGUF adapters only (a PEFT directory converts with its
 `backends.peers` makes, llama-cpp-python 0.3.36's vendored llama.cpp) loads `--lora FILE` at launch
 (`common/arg.cpp`), lists them by id and path at `GET /lora-adapters`, and applies the ones a
 request's `lora` ([{id, scale}], any route; those left out at scale 0) names
-(`tools/server/server-schema.cpp`, `server-context.cpp` `construct_lora_list`); requests of another
-adapter set never share a batch (`server_slot::can_batch_with`). llama-cpp-python's `Llama` applies
+(`tools/server/server-schema.cpp`, `server-context.cpp` `construct_lora_list`); a request without
+`lora` gets every adapter at its launch scale, 1.0 even with `--lora-init-without-apply` (which only
+skips applying them at load, `common/common.cpp`), so this backend always sends `lora`; requests of
+another adapter set never share a batch (`server_slot::can_batch_with`). llama-cpp-python's `Llama` applies
 one `lora_path` to the whole model when it loads it (`llama_cpp/llama.py`).
 """
 
@@ -140,7 +142,7 @@ class LlamaCppServerBackend(OpenAICompatBackend):
                 if request.adapter not in self.lora_ids:
                     raise ModelNotFound(f"backend {self.name!r} has no LoRA adapter {request.adapter!r}", param="model")
                 body["lora"] = [{"id": self.lora_ids[request.adapter], "scale": 1.0}]
-            elif self.launched_loras:  # none: the launch's scales would apply otherwise
+            elif self.launched_loras:  # none, or each applies at its launch scale
                 body["lora"] = [{"id": self.launched_loras[0]["id"], "scale": 0.0}]
         elif request.messages is not None:  # its template reads strings only
             body["messages"] = text_only(request.messages)
