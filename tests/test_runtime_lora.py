@@ -254,9 +254,9 @@ def test_tgi_serves_the_adapters_of_its_launch_and_refuses_others_it_would_answe
 @pytest.mark.slow
 def test_llama_server_serves_by_name_the_gguf_adapters_of_its_launch():
     server, seen = fixture("llama-server"), []
-    # `GET /lora-adapters` of `--lora /l/sql.gguf --lora-init-without-apply` (server-task.cpp
-    # `server_task_result_get_lora::to_json`)
-    launched = [{"id": 0, "path": "/l/sql.gguf", "scale": 0.0, "task_name": "", "prompt_prefix": ""}]
+    # `GET /lora-adapters` of `--lora /l/sql.gguf --lora-init-without-apply` as the peers' build answers it
+    # (server-task.cpp `server_task_result_get_lora::to_json`): its scale stays 1.0
+    launched = [{"id": 0, "path": "/l/sql.gguf", "scale": 1.0, "task_name": "", "prompt_prefix": ""}]
     inner = replay(server, seen)
 
     async def app(scope, receive, send):
