@@ -18,8 +18,9 @@ LoRA: llama.cpp reads GGUF adapters only (a PEFT directory converts with its
 request's `lora` ([{id, scale}], any route; those left out at scale 0) names
 (`tools/server/server-schema.cpp`, `server-context.cpp` `construct_lora_list`); a request without
 `lora` gets every adapter at its launch scale, 1.0 even with `--lora-init-without-apply` (which only
-skips applying them at load, `common/common.cpp`), so this backend always sends `lora`; requests of
-another adapter set never share a batch (`server_slot::can_batch_with`). llama-cpp-python's `Llama` applies
+skips applying them at load, `common/common.cpp`), and only a request that says `lora` has its slot's
+cached prompt checked against its adapters (`launch_slot_with_task`): this backend always sends it.
+Requests of another adapter set never share a batch (`server_slot::can_batch_with`). llama-cpp-python's `Llama` applies
 one `lora_path` to the whole model when it loads it (`llama_cpp/llama.py`).
 """
 
