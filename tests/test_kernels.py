@@ -243,3 +243,37 @@ def rotary_and_silu(ops, dtype):
     gate_up = torch.randn(tokens, 2 * 1536).to(dtype) * 4
     gate, up = gate_up.chunk(2, dim=-1)
     yield ops.silu_mul(gate_up), F.silu(gate) * up
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_lora_gather_matmul_equals_the_pytorch_path(dtype):
+    """Each token on its adapter's slot (or none), adapters interleaved and in runs longer than a
+    tile, a fused Linear's parts with ranks of their own (0: a part the adapter leaves alone)."""
+    from types import SimpleNamespace
+
+    from backends.builtin.worker import kernels
+    from backends.builtin.worker.lora import LoRALinear, LoRAWeights
+
+    ops = kernels.load()
+    assert ops is not None, kernels._failed
+    torch.manual_seed(0)
+    sizes, k, max_rank, slots = (40, 24, 24), 56, 16, 3
+    parts = [(f"p{i}", size) for i, size in enumerate(sizes)]
+    holder = SimpleNamespace(max_loras=slots, token_slots=None, ops=None)  # what a LoRALinear reads of its slots
+    linear = LoRALinear(torch.nn.Linear(k, sum(sizes), bias=False).to(dtype), holder, parts, k, max_rank, dtype,
+                        torch.device("cpu"))
+    for slot, ranks in enumerate(((16, 5, 0), (1, 16, 16), (7, 0, 3))):
+        factors = {name: (torch.randn(rank, k), torch.randn(size, rank))
+                   for (name, size), rank in zip(parts, ranks) if rank}
+        linear.load(slot, LoRAWeights(max(ranks), factors))
+    x = torch.randn(30, k).to(dtype)
+    holder.token_slots = torch.tensor([0, 2, -1, 1, 0, 1, 2, -1, 0, 0, *([1] * 12), *([2] * 8)], dtype=torch.int32)
+    holder.ops = None
+    expected = linear(x)
+    holder.ops = ops
+    got = linear(x)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: y rounded once here, twice there
+    scale = expected.float().abs().max().item()
+    assert torch.allclose(got.float(), expected.float(), rtol=tolerance, atol=tolerance * scale)
+    holder.token_slots = None
+    assert torch.equal(linear(x), linear.base(x))  # no adapter in the step: the base alone

@@ -16,7 +16,8 @@ from tests.lora_adapters import ADAPTERS, make_adapter, peft_greedy
 
 PROMPTS = [[1, 504, 3158, 8201, 314, 260, 1690, 30], [1, 11, 2887, 1177, 8645, 28, 436, 42, 17, 99, 1000, 5]]
 MAX_TOKENS = 12
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+# EOS masked until the last token, as transformers' `min_new_tokens` masks it in the reference
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, min_tokens=MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +142,7 @@ async def test_adapters_load_and_unload_at_run_time_in_the_engine_process(tiny_m
         async def greedy(adapter: str | None) -> list[int]:
             request = GenerateRequest(request_id=f"g-{adapter}-{asyncio.get_running_loop().time()}",
                                       prompt_token_ids=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0,
-                                      ignore_eos=True, adapter=adapter)
+                                      extra={"min_tokens": MAX_TOKENS}, adapter=adapter)
             return [token async for event in backend.generate(request) for token in getattr(event, "token_ids", ())]
 
         with pytest.raises(ModelNotFound):
@@ -190,7 +191,7 @@ async def test_the_gateway_serves_the_engines_adapters_to_the_openai_client_and_
 
         async def greedy(headers, model):
             return await sdk(headers).completions.create(model=model, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
-                                                         temperature=0, extra_body={"ignore_eos": True})
+                                                         temperature=0, extra_body={"min_tokens": MAX_TOKENS})
 
         for model, name in (("sql", "sql"), ("acme-chat", "chat"), ("tiny", None)):
             reply = await greedy(acme, model)

@@ -9,6 +9,7 @@ or `/ sqrt(r)` with rsLoRA) is folded into B when the adapter enters a slot.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -157,31 +158,31 @@ def _shape(config: LlamaConfig, module: str) -> tuple[int, int]:
 
 class LoRALinear(torch.nn.Module):
     """A Linear (of any kind: prepacked, native bf16, plain) plus the adapters in the slots, each
-    token with the slot its `LoRASlots.token_slots` names (-1: none)."""
+    token with the slot its `LoRASlots.token_slots` names (-1: none). A fused Linear's parts (q, k,
+    v) each have `max_rank` rows of A and B per slot, B only over the part's own output columns."""
 
-    def __init__(self, base: torch.nn.Module, slots: LoRASlots, parts: list[tuple[str, int, int]], in_features: int,
-                 max_rank: int) -> None:
+    def __init__(self, base: torch.nn.Module, slots: LoRASlots, parts: list[tuple[str, int]], in_features: int,
+                 max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.base, self.slots, self.parts = base, slots, parts  # parts: (HF name, output offset, size)
-        rows = len(parts) * max_rank  # each part's ranks after the last's
-        out = sum(size for _, _, size in parts)
-        self.a = torch.zeros(slots.max_loras, rows, in_features)
-        self.b = torch.zeros(slots.max_loras, rows, out)  # B transposed: [rank, out]
-        self.widths = torch.zeros(slots.max_loras, dtype=torch.int32)
+        self.base, self.slots, self.max_rank = base, slots, max_rank
+        self.names = [name for name, _ in parts]  # Hugging Face's, in output order
+        ends = list(itertools.accumulate(size for _, size in parts))
+        self.columns = [slice(end - size, end) for end, (_, size) in zip(ends, parts)]
+        self.offsets = torch.tensor([0, *ends])  # the native kernel's form of `columns`
+        rows = len(parts) * max_rank
+        self.a = torch.empty(slots.max_loras, rows, in_features, dtype=dtype, device=device)
+        self.b = torch.empty(slots.max_loras, rows, ends[-1], dtype=dtype, device=device)  # B transposed
+        self.widths = torch.zeros(slots.max_loras, len(parts), dtype=torch.int32)  # ranks in use, per part
 
     def load(self, slot: int, adapter: LoRAWeights) -> None:
-        self.a[slot].zero_()
-        self.b[slot].zero_()
-        width = 0
-        for name, offset, size in self.parts:
-            factors = adapter.factors.get(name)
-            if factors is not None:
-                a, b = factors
-                rank = a.shape[0]
-                self.a[slot, width:width + rank] = a
-                self.b[slot, width:width + rank, offset:offset + size] = b.T
-                width += rank
-        self.widths[slot] = width
+        """Only the rows a part's rank uses, and its own columns, are ever read: no clearing."""
+        for p, name in enumerate(self.names):
+            a, b = adapter.factors.get(name, (torch.empty(0, 0), None))
+            rank, first = a.shape[0], p * self.max_rank
+            if rank:
+                self.a[slot, first:first + rank] = a
+                self.b[slot, first:first + rank, self.columns[p]] = b.T
+            self.widths[slot, p] = rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -189,13 +190,16 @@ class LoRALinear(torch.nn.Module):
         if slots is None:
             return y
         if self.slots.ops is not None:
-            self.slots.ops.lora_add(y, x.contiguous(), self.a, self.b, slots, self.widths)
+            self.slots.ops.lora_add(y, x.contiguous(), self.a, self.b, slots, self.widths, self.offsets)
             return y
-        for slot in slots.unique().tolist():  # the reference: one product per adapter in the step
-            if slot >= 0:
-                rows, width = (slots == slot).nonzero().squeeze(1), int(self.widths[slot])
-                delta = (x[rows].float() @ self.a[slot, :width].T) @ self.b[slot, :width]
-                y[rows] += delta.to(y.dtype)
+        for slot in slots.unique().tolist():  # the reference: per adapter in the step and part
+            if slot < 0:
+                continue
+            tokens = (slots == slot).nonzero().squeeze(1)
+            for p, (rank, columns) in enumerate(zip(self.widths[slot].tolist(), self.columns)):
+                rows = slice(p * self.max_rank, p * self.max_rank + rank)
+                delta = (x[tokens].float() @ self.a[slot, rows].float().T) @ self.b[slot, rows, columns].float()
+                y[tokens, columns] += delta.to(y.dtype)
         return y
 
 
@@ -203,8 +207,9 @@ class LoRASlots:
     """`max_loras` compute slots over the model's targeted Linears; adapters enter them least
     recently used out, as the steps that run them need them."""
 
-    def __init__(self, model: torch.nn.Module, config: LlamaConfig, max_loras: int, max_rank: int, ops) -> None:
-        self.max_loras, self.ops = max_loras, ops
+    def __init__(self, model: torch.nn.Module, config: LlamaConfig, max_loras: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device, ops) -> None:
+        self.max_loras, self.ops, self.device = max_loras, ops, device
         self.resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
         self.loads = 0  # adapters copied into a slot
         self.token_slots: torch.Tensor | None = None  # this step's slot per token, None: no adapter in it
@@ -213,12 +218,9 @@ class LoRASlots:
             for attr, parts in LAYER_MODULES.items():
                 parent_name, name = attr.split(".")
                 parent = getattr(layer, parent_name)
-                offset, named = 0, []
-                for part in parts:
-                    in_features, size = _shape(config, part)
-                    named.append((f"model.layers.{i}.{part}", offset, size))
-                    offset += size
-                wrapped = LoRALinear(getattr(parent, name), self, named, in_features, max_rank)
+                named = [(f"model.layers.{i}.{part}", _shape(config, part)[1]) for part in parts]
+                in_features = _shape(config, parts[0])[0]
+                wrapped = LoRALinear(getattr(parent, name), self, named, in_features, max_rank, dtype, device)
                 setattr(parent, name, wrapped)
                 self.layers.append(wrapped)
 
@@ -241,7 +243,7 @@ class LoRASlots:
             self.resident.move_to_end(adapter_id)
             slot_of[adapter_id] = slot
         per_seq = torch.tensor([slot_of.get(a, -1) for a in adapter_ids], dtype=torch.int32)
-        self.token_slots = per_seq.repeat_interleave(torch.tensor(token_counts))
+        self.token_slots = per_seq.repeat_interleave(torch.tensor(token_counts)).to(self.device)
 
     def _free_slot(self, keep: set[int]) -> int:
         """An unused slot, or the least recently used one of an adapter this step does not run."""

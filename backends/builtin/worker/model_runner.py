@@ -119,8 +119,8 @@ class ModelRunner:
         if config.weight_quant == "none" and config.attention != "torch":
             self.model.ops = kernels.layer_ops(self.device, self.dtype)
         self.config, self.max_lora_rank = cfg, config.max_lora_rank
-        self.lora = LoRASlots(self.model, cfg, config.max_loras, config.max_lora_rank, self.model.ops) \
-            if config.enable_lora else None
+        self.lora = LoRASlots(self.model, cfg, config.max_loras, config.max_lora_rank, self.dtype, self.device,
+                              self.model.ops) if config.enable_lora else None
         self.adapters: dict[int, LoRAWeights] = {}  # in host memory, by adapter id
         int8 = config.kv_cache_dtype == "int8"
         self.kv_caches = [

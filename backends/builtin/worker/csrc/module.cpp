@@ -14,7 +14,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 bool bf16_linear_native();
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor slots,
-              torch::Tensor widths);
+              torch::Tensor widths, torch::Tensor offsets);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Exact attention over a paged KV cache (CPU)");
