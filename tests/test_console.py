@@ -19,7 +19,7 @@ from .conftest import ADMIN_KEY, AUTH, bearer, gateway_app, serve_app, wait_read
 
 pytestmark = pytest.mark.slow
 
-PAGES = ("tenants", "keys", "usage", "routes", "backends", "audit")
+PAGES = ("tenants", "keys", "adapters", "usage", "routes", "backends", "audit")
 WIDTHS = {"laptop": 1280, "phone": 390}
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "console"
 # Debian's Chromium as root, without the services it would reach for on a closed network.
@@ -50,10 +50,14 @@ def chromium():
 
 @pytest.fixture(scope="module")
 def console(tiny_model_dir, tmp_path_factory):
-    """A gateway serving two tiny engines, the route `chat` on one with a canary on the other,
-    and some traffic through both."""
+    """A gateway serving two tiny engines, the first with a LoRA adapter `house`, the route `chat` on
+    one with a canary on the other, and some traffic through both and the adapter."""
+    from .lora_adapters import make_adapter
+
+    house = make_adapter(tiny_model_dir, tmp_path_factory.mktemp("house"), 8, ["q_proj", "v_proj"], 1)
     backends = {name: BuiltinBackend(EngineConfig(model=str(tiny_model_dir), dtype="float32", served_name=name,
-                                                  kv_cache_tokens=2048, engine_process=False), name=name)
+                                                  kv_cache_tokens=2048, engine_process=False,
+                                                  lora=[f"house={house}"] if name == "tiny-a" else []), name=name)
                 for name in ("tiny-a", "tiny-b")}
     app = gateway_app(backends, tmp_path_factory.mktemp("console"), usage_flush_s=0.1, route_seed=3)
     with serve_app(app) as url:
@@ -66,6 +70,9 @@ def console(tiny_model_dir, tmp_path_factory):
             reply = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=60,
                                json={"model": "chat", "prompt": f"Hello {i}", "max_tokens": 8, "stream": i % 2 == 0})
             assert reply.status_code == 200
+        reply = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=60,
+                           json={"model": "house", "prompt": "Hello adapter", "max_tokens": 8})
+        assert reply.status_code == 200
         yield url
 
 
@@ -122,11 +129,13 @@ def test_the_console_from_login_to_rollback_and_its_pages_at_two_widths(chromium
         assert httpx.post(f"{console}/v1/completions", headers=bearer(key), timeout=60,
                           json={"model": "tiny-a", "prompt": f"Hi {i}", "max_tokens": 4}).status_code == 200
     page.locator(".charts").get_by_text("acme").first.wait_for(timeout=20_000)  # its series, in the legend
-    page.get_by_text("9 requests in the last 1h").wait_for(timeout=20_000)
+    page.get_by_text("10 requests in the last 1h").wait_for(timeout=20_000)
     with page.expect_download() as download:
         page.get_by_role("button", name="Export CSV").click()
     exported = Path(download.value.path()).read_text().splitlines()
     assert exported[0].startswith("tenant,at,requests") and any(row.startswith("acme,") for row in exported)
+    page.goto(f"{console}/ui/#/usage?range=1h&by=adapter")  # the adapter's usage, a series of its own
+    page.locator(".charts").get_by_text("house").first.wait_for(timeout=20_000)
 
     # The canary, compared live and rolled back from the routes page.
     page.get_by_role("link", name="Routes").click()
@@ -170,7 +179,7 @@ def test_the_console_from_login_to_rollback_and_its_pages_at_two_widths(chromium
     page.keyboard.press("Enter")
     page.get_by_role("status").get_by_text("Logged in as a tenant administrator.").wait_for()
     visible = page.get_by_role("navigation").get_by_role("link").all_inner_texts()
-    assert visible == ["Keys", "Usage"]
+    assert visible == ["Keys", "Adapters", "Usage"]
     assert page.url.endswith("/ui/#/keys")  # not the audit page the operator left, which it may not see
     page.get_by_role("cell", name="console test").wait_for()  # acme's key, and no other tenant's
     assert page.get_by_role("cell", name="default", exact=True).count() == 0
