@@ -73,6 +73,24 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True)
+class EmbedRequest:
+    """Texts (or token ids) to embed, one vector each, by the model's pooling: the last token's
+    hidden state or the mean of them all, normalized to unit length, as vLLM's pooling runner does
+    for a decoder model. `dimensions` keeps the vector's first ones (re-normalized), where the
+    model was trained for it (Matryoshka) or the runtime allows it."""
+
+    request_id: str
+    inputs: tuple[str | tuple[int, ...], ...]
+    model: str = ""
+    dimensions: int | None = None
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.inputs:
+            raise InvalidRequest("input must not be empty", param="input")
+
+
+@dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
@@ -161,6 +179,14 @@ Event = Delta | Finish
 
 
 @dataclass(frozen=True)
+class Embeddings:
+    """One vector per input, in order, and what they cost: the inputs' tokens, billed as prompt tokens."""
+
+    vectors: list[list[float]]
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
 class TokenSpan:
     """One token of a tokenized text: its id, its text, and where it lies (character offsets)."""
 
@@ -189,6 +215,7 @@ class Capabilities:
     max_loras: int = 0
     max_lora_rank: int = 0
     adapters: frozenset[str] = frozenset()
+    embeddings: bool = False  # serves `embed`
 
 
 class Health(enum.StrEnum):
@@ -431,6 +458,10 @@ class Backend(abc.ABC):
 
     async def tokenize(self, text: str) -> list[TokenSpan]:
         raise InvalidRequest(f"backend {self.name!r} does not offer tokenization")
+
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        """One vector per input (`EmbedRequest`); InvalidRequest where this backend embeds nothing."""
+        raise InvalidRequest(f"backend {self.name!r} does not serve embeddings", param="model")
 
     async def load_adapter(self, adapter: Adapter) -> None:
         """Make a LoRA adapter servable under its name (`GenerateRequest.adapter`); loading one that

@@ -14,7 +14,7 @@ from opentelemetry.trace import TracerProvider
 from sqlalchemy import Engine
 
 from backends.base import Backend
-from gateway.api import admin, health, metrics, openai, tgi
+from gateway.api import admin, batches, health, metrics, openai, responses, tgi
 from gateway.api.deps import credential
 from gateway.db import make_engine
 from gateway.errors import BodyTooLarge, GatewayError, error_response, install_error_handlers
@@ -134,7 +134,7 @@ def create_app(backends: dict[str, Backend], settings: Settings | None = None, d
     if tracer_provider is not None:  # outermost: a refused body is traced too
         app.add_middleware(TraceRequests, tracer=tracer_provider.get_tracer(TRACER_NAME))
     install_error_handlers(app)
-    for module in (health, metrics, openai, tgi, admin):
+    for module in (health, metrics, openai, responses, batches, tgi, admin):
         app.include_router(module.router)
     app.include_router(tgi.router, prefix="/tgi/{model:path}")  # TGI routes for one model among several
     app.mount("/ui", Console(directory=CONSOLE, html=True), name="console")

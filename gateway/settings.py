@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from decimal import Decimal
 from pathlib import Path
 from typing import Literal
 
@@ -97,6 +98,20 @@ class Settings(BaseSettings):
     gate_body_bytes: int = 256 * 1024
     # `/metrics` answers loopback clients freely; others must send this token as a bearer.
     metrics_token: str | None = None
+
+    # `/v1/responses` kept with `store` (the default) are readable, and continued, for this long.
+    responses_retention_s: float = 30 * 86400
+    # `/v1/files`: the largest upload, and a batch input's most lines (OpenAI's caps); batch outputs
+    # and errors are kept this long.
+    file_max_bytes: int = 200 * 1024 * 1024
+    batch_max_lines: int = 50_000
+    output_retention_s: float = 30 * 86400
+    # `/v1/batches`: what a batch's tokens cost against the interactive price (0.5: half, OpenAI's
+    # discount), the batches a tenant may have unfinished at once, and the lines one replica runs at
+    # once, only while no interactive request waits for its backend.
+    batch_price: Decimal = Decimal("0.5")
+    batch_active_per_tenant: int = 8
+    batch_concurrency: int = 4
 
     # OpenAPI's interactive pages (/docs, /redoc) load their scripts from a CDN, on the origin where the
     # console keeps its key: off unless asked for. The schema itself, /openapi.json, is always served.

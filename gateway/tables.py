@@ -7,7 +7,7 @@ from decimal import Decimal
 from typing import Annotated, Any
 
 from pydantic import PlainSerializer
-from sqlalchemy import JSON, BigInteger, Column, TypeDecorator, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, Column, LargeBinary, TypeDecorator, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
 from backends.base import NANO_USD_PER_USD
@@ -209,3 +209,89 @@ class AuditLog(SQLModel, table=True):
     target: str = Field(max_length=128)
     before: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
     after: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+
+
+class StoredResponse(SQLModel, table=True):
+    """A `/v1/responses` answer kept (`store`) for `GET /v1/responses/{id}` and for a response that
+    follows it (`previous_response_id`): readable by its tenant only, until it expires."""
+
+    __tablename__ = "stored_response"
+
+    id: str = Field(primary_key=True, max_length=64)  # resp_...
+    tenant: str = Field(index=True, max_length=64)
+    key_prefix: str | None = Field(default=None, max_length=16)
+    model: str = Field(max_length=128)
+    # The conversation as chat messages, this response's output included: where a follower continues.
+    messages: list[dict[str, Any]] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    # The input items as the client sent them (this turn's only), for `/v1/responses/{id}/input_items`.
+    input_items: list[dict[str, Any]] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    body: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))  # the Response
+    created_at: datetime = Field(default_factory=utcnow, index=True)
+    expires_at: datetime = Field(index=True)
+
+
+class StoredFile(SQLModel, table=True):
+    """A file of `/v1/files`: a batch's input (JSONL, checked line by line on upload), or a batch's
+    output or errors. Its bytes live in the database, where every replica reads them."""
+
+    __tablename__ = "file"
+
+    id: str = Field(primary_key=True, max_length=64)  # file-...
+    tenant: str = Field(index=True, max_length=64)
+    purpose: str = Field(max_length=32)  # batch | batch_output | batch_errors
+    filename: str = Field(max_length=255)
+    bytes: int = 0
+    lines: int = 0
+    content: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    created_at: datetime = Field(default_factory=utcnow, index=True)
+    expires_at: datetime | None = None
+
+
+class BatchRecord(SQLModel, table=True):
+    """A `/v1/batches` job: its input file's lines run in the background, at a lower priority than
+    interactive requests. One replica at a time runs it: the one whose lease (`runner`,
+    `lease_until`) is current."""
+
+    __tablename__ = "batch"
+
+    id: str = Field(primary_key=True, max_length=64)  # batch_...
+    tenant: str = Field(index=True, max_length=64)
+    key_prefix: str | None = Field(default=None, max_length=16)  # whose key created it: lines run as it
+    endpoint: str = Field(max_length=64)
+    input_file_id: str = Field(max_length=64)
+    completion_window: str = Field(default="24h", max_length=16)
+    # validating | in_progress | finalizing | completed | failed | expired | cancelling | cancelled
+    status: str = Field(default="in_progress", index=True, max_length=16)
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+    output_file_id: str | None = Field(default=None, max_length=64)
+    error_file_id: str | None = Field(default=None, max_length=64)
+    errors: list[dict[str, Any]] | None = Field(default=None, sa_column=Column(JSON))
+    labels: dict[str, str] | None = Field(default=None, sa_column=Column("metadata", JSON))  # OpenAI's metadata
+    runner: str | None = Field(default=None, max_length=64)
+    lease_until: datetime | None = None
+    created_at: datetime = Field(default_factory=utcnow, index=True)
+    expires_at: datetime
+    in_progress_at: datetime | None = None
+    finalizing_at: datetime | None = None
+    completed_at: datetime | None = None
+    failed_at: datetime | None = None
+    expired_at: datetime | None = None
+    cancelling_at: datetime | None = None
+    cancelled_at: datetime | None = None
+
+
+class BatchResult(SQLModel, table=True):
+    """One line's answer, written once (its key refuses a second): a restart runs only the lines
+    without one, and the output and error files are these rows in line order."""
+
+    __tablename__ = "batch_result"
+
+    batch_id: str = Field(primary_key=True, max_length=64)
+    line: int = Field(primary_key=True)
+    custom_id: str = Field(max_length=512)
+    request_id: str = Field(max_length=64)
+    status_code: int
+    body: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    at: datetime = Field(default_factory=utcnow)

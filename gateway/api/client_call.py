@@ -21,7 +21,7 @@ from backends.base import Delta, Event, Finish, GenerateRequest
 from gateway.errors import ClientDisconnected
 from gateway.inference.call import Call
 from gateway.inference.routing import Decision
-from gateway.operations.tracing import request_trace
+from gateway.operations.tracing import OFF, RequestTrace, request_trace
 from gateway.service import Gateway
 from gateway.tenancy.auth import Principal
 
@@ -33,8 +33,11 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def until_disconnect(request: Request, awaitable: Awaitable):
-    """Await `awaitable` unless the client disconnects first (then cancel it and raise)."""
+async def until_disconnect(request: Request | None, awaitable: Awaitable):
+    """Await `awaitable` unless the client disconnects first (then cancel it and raise). Without a
+    request (a batch's line) there is no client to leave."""
+    if request is None:
+        return await awaitable
     work = asyncio.ensure_future(awaitable)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
@@ -55,12 +58,12 @@ class Started:
     headers: dict[str, str]  # the routing decision, for the response
 
 
-async def start(gateway: Gateway, request: Request, principal: Principal, decision: Decision,
+async def start(gateway: Gateway, request: Request | None, principal: Principal, decision: Decision,
                 generate_request: GenerateRequest, api: str, stream: bool) -> Started:
     """Reserve and start the call, and wait for its first event (errors raise here)."""
     block = contextlib.AsyncExitStack()  # the call's block, left by `_events` once the response ends
     call = await block.enter_async_context(
-        gateway.call(principal, decision, generate_request, api, stream, request_trace(request)))
+        gateway.call(principal, decision, generate_request, api, stream, trace_of(request)))
     try:
         first = await until_disconnect(request, call.open())
     except BaseException:
@@ -92,7 +95,11 @@ class Collected:
         return [d.extra for d in self.deltas if d.index == index and d.extra]
 
 
-async def collect(started: Started, request: Request) -> Collected:
+def trace_of(request: Request | None) -> RequestTrace:
+    return OFF if request is None else request_trace(request)
+
+
+async def collect(started: Started, request: Request | None) -> Collected:
     """Gather a whole non-streamed answer, still cancelling it if the client leaves."""
 
     async def gather() -> Collected:
