@@ -15,6 +15,7 @@ from sqlalchemy import Engine
 
 from backends.base import Backend
 from gateway.api import admin, batches, health, metrics, openai, responses, tgi
+from gateway.api.batch_runner import BatchRunner
 from gateway.api.deps import credential
 from gateway.db import make_engine
 from gateway.errors import BodyTooLarge, GatewayError, error_response, install_error_handlers
@@ -31,24 +32,25 @@ class BodyLimit:
     """Refuses request bodies over `limit` bytes: at once when `Content-Length` says so, else
     as soon as the bytes read pass it (chunked uploads), before the body is held in memory."""
 
-    def __init__(self, app, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, upload_limit: int) -> None:
+        self.app, self.limit, self.upload_limit = app, limit, upload_limit
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit = self.upload_limit if scope["path"] == UPLOADS else self.limit
         declared = dict(scope["headers"]).get(b"content-length", b"0")
-        too_large = not declared.isdigit() or int(declared) > self.limit
+        too_large = not declared.isdigit() or int(declared) > limit
         read = 0
 
         async def limited_receive():
             nonlocal read
             if too_large:
-                raise BodyTooLarge(self.limit)
+                raise BodyTooLarge(limit)
             message = await receive()
             read += len(message.get("body", b""))
-            if read > self.limit:
-                raise BodyTooLarge(self.limit)
+            if read > limit:
+                raise BodyTooLarge(limit)
             return message
 
         await self.app(scope, limited_receive, send)
@@ -116,9 +118,12 @@ def create_app(backends: dict[str, Backend], settings: Settings | None = None, d
 
         await gateway.start()
         starting = [asyncio.create_task(start(n, b)) for n, b in backends.items()]
+        runner = BatchRunner(gateway)
+        gateway.supervise("batch runner", runner.run)
         try:
             yield
         finally:
+            await runner.stop()  # the lines under way finish while their backends still run
             for task in starting:
                 task.cancel()
             await asyncio.gather(*(b.close() for b in backends.values()), return_exceptions=True)
@@ -130,7 +135,7 @@ def create_app(backends: dict[str, Backend], settings: Settings | None = None, d
     app = FastAPI(title="servegate", version="0.1.0", lifespan=lifespan, **docs)
     app.state.gateway = gateway
     app.add_middleware(LargeBodyGate, gateway=gateway, threshold=settings.gate_body_bytes)
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, upload_limit=settings.file_max_bytes)
     if tracer_provider is not None:  # outermost: a refused body is traced too
         app.add_middleware(TraceRequests, tracer=tracer_provider.get_tracer(TRACER_NAME))
     install_error_handlers(app)
@@ -142,6 +147,7 @@ def create_app(backends: dict[str, Backend], settings: Settings | None = None, d
 
 
 CONSOLE = Path(__file__).parent / "console"
+UPLOADS = "/v1/files"  # the one route whose body may be a file (`Settings.file_max_bytes`)
 
 
 class Console(StaticFiles):

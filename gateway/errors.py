@@ -8,6 +8,7 @@ Every error, from a backend or from the gateway itself, becomes a `GatewayError`
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -92,8 +93,9 @@ def error_response(request: Request, error: GatewayError) -> JSONResponse:
     return JSONResponse(error.openai_body(), status_code=error.status, headers=error.headers)
 
 
-def _validation_error(exc: RequestValidationError) -> GatewayError:
-    first = exc.errors()[0]
+def validation_error(errors: Sequence[dict]) -> GatewayError:
+    """A body's first validation error (FastAPI's or pydantic's), naming where it lies."""
+    first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return GatewayError(400, f"Invalid JSON in the request body: {first.get('msg')}", "invalid_request_error")
@@ -112,7 +114,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(request, _validation_error(exc))
+        return error_response(request, validation_error(exc.errors()))
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, exc: ClientDisconnected) -> Response:

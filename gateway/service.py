@@ -15,21 +15,27 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
+from datetime import UTC, datetime
 
 from sqlalchemy import Engine
 
 from backends.base import (
     NANO_USD_PER_USD,
+    SPECIAL_TOKENS,
     Adapter,
     Backend,
+    BackendError,
     ContextTooLong,
+    Embeddings,
+    EmbedRequest,
     GenerateRequest,
     InvalidRequest,
     TokenSpan,
+    Usage,
 )
 from gateway.errors import GatewayError
 from gateway.inference.admission import Admission
-from gateway.inference.call import Call, Outcome, Shared, refusal
+from gateway.inference.call import Call, Outcome, Received, Shared, refusal
 from gateway.inference.fleet import Breaker, Fleet
 from gateway.inference.routing import Decision, RequestFacts, Router
 from gateway.operations.telemetry import GatewayMetrics
@@ -301,6 +307,53 @@ class Gateway:
             raise ContextTooLong(f"The inputs hold {counted} tokens, more than the model's context of {context} "
                                  "tokens.", param="inputs")
         return spans
+
+    async def embed(self, principal: Principal, decision: Decision, request: EmbedRequest,
+                    api: str = "embeddings") -> Embeddings:
+        """Vectors from the first of the model's backends that embeds (the next one where it fails
+        retryably), billed as a prompt: reserved at an upper bound of the inputs' tokens, settled
+        and recorded (one ledger row, api `embeddings`) at the backend's count. A client that leaves
+        once the inputs reached a backend is billed them, counted by that backend where it can."""
+        started, started_at = time.monotonic(), datetime.now(UTC)
+        request = dataclasses.replace(request, model=decision.model, cache_salt=self.cache_salt(principal))
+        candidates = [b for b in decision.candidates if (await b.capabilities()).embeddings]
+        if not candidates:
+            raise InvalidRequest(f"the model {decision.asked!r} does not serve embeddings", param="model")
+        bound = sum(len(x) if isinstance(x, tuple) else len(x.encode()) + SPECIAL_TOKENS for x in request.inputs)
+        price = self.settings.price(decision.model, (await candidates[0].capabilities()).price, api)
+        try:
+            reservation = await self.quotas.reserve(principal.quota_scopes(), bound,
+                                                    price.cost(bound, 0) if price else 0)
+        except QuotaExceeded as exc:
+            self.metrics.quota_rejections.labels(principal.tenant.name, exc.limit).inc()
+            raise refusal(exc, bound, 0) from None
+        texts = [x if isinstance(x, str) else "" for x in request.inputs]
+        recorded = GenerateRequest(request_id=request.request_id, model=decision.model, prompt="\n".join(texts))
+        tried: list[str] = []
+        status, error, usage, recount = "cancelled", None, Usage(0, 0), None
+        try:
+            for number, backend in enumerate(candidates, 1):
+                try:
+                    async with self.fleet.attempt(backend.name):
+                        tried.append(backend.name)
+                        result = await backend.embed(request)
+                except BackendError as exc:
+                    if not exc.retryable or number == len(candidates):
+                        raise
+                    continue
+                status, usage = "ok", Usage(min(max(result.prompt_tokens, 0), bound), 0)
+                return result
+        except BackendError as exc:
+            status, error = "error", exc.code
+            raise
+        finally:
+            if status == "cancelled" and tried:  # gone once the inputs reached a backend: they are billed
+                usage, recount = Usage(bound, 0), Received()
+            self._record(Outcome(
+                request=recorded, principal=principal, decision=decision, api=api, stream=False,
+                status=status, error=error, usage=usage, backend=tried[-1] if tried else "", tried=tuple(tried),
+                ttft_ms=None, latency_ms=(time.monotonic() - started) * 1000, started_at=started_at,
+                finished_at=datetime.now(UTC), reservation=reservation, price=price, recount=recount))
 
     def _settle(self, call: Call) -> asyncio.Task | None:
         """A call's end: its outcome handed on. A call refused before it reached a backend (quota,

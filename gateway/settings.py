@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 from decimal import Decimal
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from backends.base import Price
+
+BATCH_API = "batch"  # the `api` a batch's lines are billed under, at `Settings.batch_price`
 
 
 def data_dir() -> Path:
@@ -109,7 +111,7 @@ class Settings(BaseSettings):
     # `/v1/batches`: what a batch's tokens cost against the interactive price (0.5: half, OpenAI's
     # discount), the batches a tenant may have unfinished at once, and the lines one replica runs at
     # once, only while no interactive request waits for its backend.
-    batch_price: Decimal = Decimal("0.5")
+    batch_price: Annotated[Decimal, Field(ge=0, le=1)] = Decimal("0.5")
     batch_active_per_tenant: int = 8
     batch_concurrency: int = 4
 
@@ -132,6 +134,16 @@ class Settings(BaseSettings):
             if any(v is not None and v < 0 for v in (price.input, price.output, price.cached_input)):
                 raise ValueError(f"the price of {model!r} is negative")
         return prices
+
+    def price(self, model: str, listed: Price | None, api: str) -> Price | None:
+        """What a model's tokens cost: its configured price, else its backend's list price; a batch's
+        lines (api "batch") at `batch_price` of it."""
+        price = self.prices.get(model) or listed
+        if price is None or api != BATCH_API:
+            return price
+        factor = self.batch_price
+        return Price(price.input * factor, price.output * factor,
+                     None if price.cached_input is None else price.cached_input * factor)
 
     @property
     def jwt_enabled(self) -> bool:

@@ -240,7 +240,7 @@ class StoredFile(SQLModel, table=True):
     tenant: str = Field(index=True, max_length=64)
     purpose: str = Field(max_length=32)  # batch | batch_output | batch_errors
     filename: str = Field(max_length=255)
-    bytes: int = 0
+    size: int = 0  # bytes
     lines: int = 0
     content: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
     created_at: datetime = Field(default_factory=utcnow, index=True)

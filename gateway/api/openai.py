@@ -1,7 +1,9 @@
-"""OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models."""
+"""OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models."""
 
 from __future__ import annotations
 
+import base64
+import struct
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -12,12 +14,20 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from backends.base import MAX_TOKEN_ID, BackendError, Delta, Finish, GenerateRequest, InvalidRequest, Usage
+from backends.base import (
+    MAX_TOKEN_ID,
+    BackendError,
+    Delta,
+    EmbedRequest,
+    Finish,
+    GenerateRequest,
+    InvalidRequest,
+    Usage,
+)
 from gateway.api import MAX_TOKENS, ClientBody, TokenCount, client_call
 from gateway.api.client_call import Collected
 from gateway.api.deps import GatewayDep, InferencePrincipal
 from gateway.errors import GatewayError
-from gateway.operations import tracing
 from gateway.service import Gateway
 from gateway.tenancy.auth import Principal
 
@@ -198,15 +208,16 @@ def prompt_text(prompt: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-async def _respond(request: Request, gateway: Gateway, principal: Principal, body: SamplingRequest,
-                   chat: bool, **prompt: Any):
+async def respond(request: Request | None, gateway: Gateway, principal: Principal, body: SamplingRequest,
+                  chat: bool, api: str = "openai", **prompt: Any):
+    """The endpoint's answer; without a request (a batch's line) there is no client to leave."""
     decision = gateway.resolve(principal, body.model, prompt_text(prompt), body.max_tokens, body.stream,
-                               tracing.request_trace(request))
+                               client_call.trace_of(request))
     generate_request = body.generate_request(decision.model, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                                              **prompt)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     responder = Responder(chat, decision.asked, include_usage, generate_request.request_id)
-    started = await client_call.start(gateway, request, principal, decision, generate_request, "openai", body.stream)
+    started = await client_call.start(gateway, request, principal, decision, generate_request, api, body.stream)
     if body.stream:
         return StreamingResponse(responder.stream(started.events, body.n), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **started.headers})
@@ -214,15 +225,11 @@ async def _respond(request: Request, gateway: Gateway, principal: Principal, bod
     return JSONResponse(responder.full(result, body.n), headers=started.headers)
 
 
-@router.post("/chat/completions")
-async def chat_completions(request: Request, body: ChatCompletionRequest, principal: InferencePrincipal,
-                           gateway: GatewayDep):
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    return await _respond(request, gateway, principal, body, chat=True, messages=messages)
+def chat_prompt(body: ChatCompletionRequest) -> dict[str, Any]:
+    return {"messages": [m.model_dump(exclude_none=True) for m in body.messages]}
 
 
-@router.post("/completions")
-async def completions(request: Request, body: CompletionRequest, principal: InferencePrincipal, gateway: GatewayDep):
+def completion_prompt(body: CompletionRequest) -> dict[str, Any]:
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -230,8 +237,74 @@ async def completions(request: Request, body: CompletionRequest, principal: Infe
         prompt = prompt[0]
     if not prompt:
         raise InvalidRequest("the prompt is empty", param="prompt")
-    kind = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
-    return await _respond(request, gateway, principal, body, chat=False, **kind)
+    return {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request, body: ChatCompletionRequest, principal: InferencePrincipal,
+                           gateway: GatewayDep):
+    return await respond(request, gateway, principal, body, chat=True, **chat_prompt(body))
+
+
+@router.post("/completions")
+async def completions(request: Request, body: CompletionRequest, principal: InferencePrincipal, gateway: GatewayDep):
+    return await respond(request, gateway, principal, body, chat=False, **completion_prompt(body))
+
+
+class EmbeddingRequest(ClientBody):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    input: str | list[str] | list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | \
+        list[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]]]
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    user: str | None = None
+
+    def inputs(self) -> tuple[str | tuple[int, ...], ...]:
+        """One entry per vector: a text, or token ids (a list of ints is one input, as OpenAI reads it)."""
+        given = self.input
+        if isinstance(given, str) or (given and isinstance(given[0], int)):
+            given = [given]
+        if len(given) > MAX_EMBEDDING_INPUTS:
+            raise InvalidRequest(f"input holds {len(given)} items, more than {MAX_EMBEDDING_INPUTS}", param="input")
+        inputs = tuple(x if isinstance(x, str) else tuple(x) for x in given)
+        if not inputs or any(len(x) == 0 for x in inputs):
+            raise InvalidRequest("input must not be empty, nor hold an empty item", param="input")
+        return inputs
+
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's cap on one request's inputs
+
+
+def embedding_json(vector: list[float], encoding: str) -> list[float] | str:
+    """A vector as OpenAI sends it: floats, or base64 of little-endian float32 (what its SDKs decode)."""
+    if encoding == "float":
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+
+
+@router.post("/embeddings")
+async def embeddings(request: Request, body: EmbeddingRequest, principal: InferencePrincipal, gateway: GatewayDep):
+    return JSONResponse(await embed(request, gateway, principal, body))
+
+
+async def embed(request: Request | None, gateway: Gateway, principal: Principal, body: EmbeddingRequest,
+                api: str = "embeddings") -> dict:
+    """The endpoint's answer; without a request (a batch's line) there is no client to leave."""
+    inputs = body.inputs()
+    decision = gateway.resolve(principal, body.model, trace=client_call.trace_of(request))
+    if decision.adapter is not None:
+        raise InvalidRequest(f"embeddings are of a base model; {decision.adapter.name!r} is a LoRA adapter",
+                             param="model")
+    asked = EmbedRequest(request_id=f"embd-{uuid.uuid4().hex}", inputs=inputs, dimensions=body.dimensions)
+    result = await client_call.until_disconnect(request, gateway.embed(principal, decision, asked, api))
+    return {
+        "object": "list", "model": decision.asked,
+        "data": [{"object": "embedding", "index": i, "embedding": embedding_json(v, body.encoding_format)}
+                 for i, v in enumerate(result.vectors)],
+        "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
+    }
 
 
 @router.get("/models")

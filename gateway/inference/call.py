@@ -254,8 +254,7 @@ class Call:
             self.shared.metrics.adapter_loads.labels(backend.name).observe(took)
 
     def _price(self, capabilities: Capabilities) -> Price | None:
-        """The configured price of the model asked for, else the backend's list price."""
-        return self.shared.settings.prices.get(self.decision.model) or capabilities.price
+        return self.shared.settings.price(self.decision.model, capabilities.price, self.api)
 
     # -- the stream ---------------------------------------------------------------------
     async def _stream(self) -> AsyncGenerator[Event, None]:

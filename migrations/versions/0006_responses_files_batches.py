@@ -41,7 +41,7 @@ def upgrade() -> None:
     sa.Column('tenant', String(length=64), nullable=False),
     sa.Column('purpose', String(length=32), nullable=False),
     sa.Column('filename', String(length=255), nullable=False),
-    sa.Column('bytes', sa.Integer(), nullable=False),
+    sa.Column('size', sa.Integer(), nullable=False),
     sa.Column('lines', sa.Integer(), nullable=False),
     sa.Column('content', sa.LargeBinary(), nullable=False),
     sa.Column('created_at', Moment(), nullable=False),
