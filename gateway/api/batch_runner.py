@@ -43,8 +43,7 @@ STOP_GRACE_S = 20.0  # a graceful stop waits this long for the lines under way
 
 
 async def answer(gateway: Gateway, principal: Principal, url: str, body: dict) -> tuple[int, dict]:
-    """A line's status and body, as its endpoint answers a client (never streamed)."""
-    body = body | {"stream": False}
+    """A line's status and body, as its endpoint answers a client (uploads refuse `stream`)."""
     try:
         if url == "/v1/chat/completions":
             request = openai.ChatCompletionRequest.model_validate(body)
@@ -298,8 +297,8 @@ class BatchRunner:
                                   content=content, created_at=now, expires_at=expires)
                 session.add(file)
                 setattr(batch, f"{kind}_file_id", file.id)
-            batch.completed = sum(1 for r in results if r.status_code == 200)
-            batch.failed = len(results) - batch.completed
+            completed = sum(1 for r in results if r.status_code == 200)
+            batch.completed, batch.failed = completed, len(results) - completed
             batch.status, batch.runner, batch.lease_until = status, None, None
             batch.finalizing_at = now
             setattr(batch, f"{status}_at", now)
@@ -307,7 +306,7 @@ class BatchRunner:
                 batch.errors = errors
             session.add(batch)
             session.commit()
-        log.info("batch %s %s: %d answered, %d failed", batch_id, status, batch.completed, batch.failed)
+        log.info("batch %s %s: %d answered, %d failed", batch_id, status, completed, len(results) - completed)
 
 
 def purge_expired(db, now: datetime) -> None:
