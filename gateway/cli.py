@@ -26,6 +26,11 @@ app.add_typer(keys_app, name="keys")
 adapters_app = typer.Typer(help="LoRA adapters: called by name as models, served on their base's backends.",
                            no_args_is_help=True)
 app.add_typer(adapters_app, name="adapters")
+batches_app = typer.Typer(help="Batches (/v1/batches) of every tenant: list, inspect, cancel.", no_args_is_help=True)
+app.add_typer(batches_app, name="batches")
+responses_app = typer.Typer(help="Stored responses (/v1/responses) of every tenant: list (never their text), delete.",
+                            no_args_is_help=True)
+app.add_typer(responses_app, name="responses")
 routes_app = typer.Typer(help="Routes: a model alias -> versioned targets, with canary and rollback.",
                          no_args_is_help=True)
 app.add_typer(routes_app, name="routes")
@@ -69,17 +74,20 @@ def _session():
         _fail(str(exc))
 
 
-def _print(rows: list, as_json: bool, columns: list[str]) -> None:
+def _print(rows: list, as_json: bool, columns: list[str], whole: tuple[str, ...] = ()) -> None:
+    """Rows as JSON or a table; the `whole` columns (ids to copy) are never cut short on a narrow terminal."""
     data = [r if isinstance(r, dict) else r.model_dump(mode="json") for r in rows]
     if as_json:
         typer.echo(json.dumps(data, indent=2))
         return
     from rich.console import Console
-    from rich.table import Table
+    from rich.table import Column, Table
 
-    table = Table(*columns)
-    for row in data:
-        table.add_row(*("" if row[c] is None else str(row[c]) for c in columns))
+    cells = [["" if row[c] is None else str(row[c]) for c in columns] for row in data]
+    table = Table(*(Column(c, no_wrap=True, min_width=max([len(c), *(len(r[i]) for r in cells)])) if c in whole
+                    else c for i, c in enumerate(columns)))
+    for row in cells:
+        table.add_row(*row)
     Console().print(table)
 
 
@@ -376,6 +384,110 @@ def adapters_remove(name: str) -> None:
     with _session() as session:
         adapter = delete_adapter(session, cli_actor(), name)
     typer.echo(f"removed adapter {adapter.name}")
+
+
+def _when(unix: int | None) -> str | None:
+    """Unix seconds (as the batch and response objects give times) as a time in UTC, to the second."""
+    from datetime import UTC, datetime
+
+    return None if unix is None else datetime.fromtimestamp(unix, UTC).isoformat(sep=" ", timespec="seconds")[:19]
+
+
+def _batch_row(batch: dict) -> dict:
+    counts = batch["request_counts"]
+    progress = f"{counts['completed'] + counts['failed']}/{counts['total']}"
+    return {**batch, "progress": progress + (f", {counts['failed']} failed" if counts["failed"] else ""),
+            **{k: _when(batch[k]) for k in ("created_at", "finished_at")}}
+
+
+@batches_app.command("list")
+def batches_list(
+    tenant: Annotated[str | None, typer.Option(help="Only this tenant's.")] = None,
+    status: Annotated[str | None, typer.Option(help="Only those in this status (in_progress, cancelling, "
+                                                    "completed, failed, expired, cancelled...).")] = None,
+    limit: Annotated[int, typer.Option(help="Batches to list, newest first.", min=1)] = 100,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """List batches, newest first: tenant, key, endpoint, status, progress (lines done/total) and times (UTC)."""
+    import typing
+
+    from gateway.api.admin_batches import BatchStatus, list_batches
+
+    if status is not None and status not in typing.get_args(BatchStatus):
+        _fail(f"--status {status!r}: one of {', '.join(typing.get_args(BatchStatus))}")
+    with _session() as session:
+        batches = list_batches(session, tenant, status, limit)
+    _print(batches if as_json else [_batch_row(b) for b in batches], as_json,
+           ["id", "tenant", "key_prefix", "endpoint", "status", "progress", "created_at", "finished_at"],
+           whole=("id",))
+
+
+@batches_app.command("show")
+def batches_show(batch_id: Annotated[str, typer.Argument(metavar="ID")],
+                 as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """One batch: its status, counts, times, files, errors and the replica running it."""
+    from gateway.api.admin_batches import get_batch
+
+    with _session() as session:
+        batch = get_batch(session, batch_id, None)
+    if as_json:
+        typer.echo(json.dumps(batch, indent=2))
+        return
+    counts = batch["request_counts"]
+    fields = {"id": batch["id"], "tenant": batch["tenant"], "key_prefix": batch["key_prefix"],
+              "endpoint": batch["endpoint"], "status": batch["status"],
+              "requests": f"{counts['completed']} completed, {counts['failed']} failed, {counts['total']} in all",
+              **{f"{moment}_at": _when(batch[f"{moment}_at"]) for moment in (
+                  "created", "in_progress", "cancelling", "finished", "expires")},
+              **{k: batch[k] for k in ("input_file_id", "output_file_id", "error_file_id", "runner")},
+              "lease_until": _when(batch["lease_until"]), "metadata": batch["metadata"],
+              "errors": "; ".join(e.get("message", "") for e in (batch["errors"] or {}).get("data", [])) or None}
+    _print([{"field": k, "value": v} for k, v in fields.items()], False, ["field", "value"])
+
+
+@batches_app.command("cancel")
+def batches_cancel(batch_id: Annotated[str, typer.Argument(metavar="ID")]) -> None:
+    """Cancel a batch: it takes no more lines and ends `cancelled` once those under way finish."""
+    from backends.base import InvalidRequest
+    from gateway.api.admin_batches import cancel_batch
+    from gateway.tenancy.tenants import cli_actor
+
+    with _session() as session:
+        try:
+            batch = cancel_batch(session, cli_actor(), batch_id, None)
+        except InvalidRequest as exc:
+            _fail(str(exc))
+    typer.echo(f"batch {batch['id']} of tenant {batch['tenant']} is {batch['status']}")
+
+
+@responses_app.command("list")
+def responses_list(
+    tenant: Annotated[str | None, typer.Option(help="Only this tenant's.")] = None,
+    limit: Annotated[int, typer.Option(help="Responses to list, newest first.", min=1)] = 100,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """List stored responses, newest first: tenant, key, model, status, tokens and times (never their text)."""
+    from gateway.api.admin_batches import list_responses
+
+    with _session() as session:
+        responses = list_responses(session, tenant, limit)
+    if not as_json:
+        responses = [{**r, "input_tokens": (r["usage"] or {}).get("input_tokens"),
+                      "output_tokens": (r["usage"] or {}).get("output_tokens"),
+                      **{k: _when(r[k]) for k in ("created_at", "expires_at")}} for r in responses]
+    _print(responses, as_json, ["id", "tenant", "key_prefix", "model", "status", "input_tokens", "output_tokens",
+                                "created_at", "expires_at"], whole=("id",))
+
+
+@responses_app.command("delete")
+def responses_delete(response_id: Annotated[str, typer.Argument(metavar="ID")]) -> None:
+    """Delete a stored response: it can no longer be read or continued."""
+    from gateway.api.admin_batches import delete_response
+    from gateway.tenancy.tenants import cli_actor
+
+    with _session() as session:
+        deleted = delete_response(session, cli_actor(), response_id, None)
+    typer.echo(f"deleted response {deleted['id']} of tenant {deleted['tenant']}")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

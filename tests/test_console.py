@@ -1,12 +1,15 @@
 """The operators' console (`/ui`) in headless Chromium, driven by Playwright, against a gateway
 with seeded tenants, keys, usage and a route running a canary: log in, create a tenant and a key
-(shown once), watch a usage chart grow after requests, roll the canary back, and screenshot every
-page at laptop and phone widths. `SERVEGATE_UPDATE_SCREENSHOTS=1` copies them to docs/console/."""
+(shown once), watch a usage chart grow after requests, cancel a batch, delete a stored response, roll
+the canary back, and screenshot every page at laptop and phone widths. `SERVEGATE_UPDATE_SCREENSHOTS=1`
+copies them to docs/console/."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import httpx
@@ -19,7 +22,7 @@ from .conftest import ADMIN_KEY, AUTH, bearer, gateway_app, serve_app, wait_read
 
 pytestmark = pytest.mark.slow
 
-PAGES = ("tenants", "keys", "adapters", "usage", "routes", "backends", "audit")
+PAGES = ("tenants", "keys", "adapters", "usage", "batches", "responses", "routes", "backends", "audit")
 WIDTHS = {"laptop": 1280, "phone": 390}
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "console"
 # Debian's Chromium as root, without the services it would reach for on a closed network.
@@ -73,7 +76,42 @@ def console(tiny_model_dir, tmp_path_factory):
         reply = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=60,
                            json={"model": "house", "prompt": "Hello adapter", "max_tokens": 8})
         assert reply.status_code == 200
+        batch_and_responses(url, app.state.gateway.db)
         yield url
+
+
+def batch_and_responses(url: str, db) -> None:
+    """A batch run to its end, one another replica is running (so it stays unfinished) and two stored responses."""
+    from datetime import UTC, datetime, timedelta
+
+    from sqlmodel import Session
+
+    from gateway.tables import BatchRecord, StoredResponse
+
+    content = "".join(json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
+                                  "body": {"model": "tiny-a", "prompt": f"Batch {i}", "max_tokens": 4}}) + "\n"
+                      for i in range(3))
+    source = httpx.post(f"{url}/v1/files", headers=AUTH, files={"file": ("in.jsonl", content.encode())},
+                        data={"purpose": "batch"}).json()
+    batch = httpx.post(f"{url}/v1/batches", headers=AUTH, json={"input_file_id": source["id"],
+                                                                 "endpoint": "/v1/completions"}).json()
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{url}/v1/batches/{batch['id']}", headers=AUTH).json()["status"] != "completed":
+        assert time.monotonic() < deadline, "the batch never completed"
+        time.sleep(0.2)
+    now = datetime.now(UTC)
+    with Session(db) as session:
+        session.add(BatchRecord(id="batch_elsewhere", tenant="default", key_prefix="console",
+                                endpoint="/v1/completions", input_file_id=source["id"], total=3, completed=1,
+                                runner="replica-elsewhere", lease_until=now + timedelta(hours=1), created_at=now,
+                                in_progress_at=now, expires_at=now + timedelta(hours=24)))
+        for i, tokens in enumerate((12, 30)):
+            session.add(StoredResponse(
+                id=f"resp_console{i}", tenant="default", key_prefix="console", model="tiny-a",
+                messages=[{"role": "user", "content": "never listed"}], input_items=[], created_at=now,
+                expires_at=now + timedelta(days=30), body={"status": "completed", "usage": {
+                    "input_tokens": tokens, "output_tokens": 4, "total_tokens": tokens + 4}}))
+        session.commit()
 
 
 def test_the_console_from_login_to_rollback_and_its_pages_at_two_widths(chromium, console, tmp_path):
@@ -129,13 +167,31 @@ def test_the_console_from_login_to_rollback_and_its_pages_at_two_widths(chromium
         assert httpx.post(f"{console}/v1/completions", headers=bearer(key), timeout=60,
                           json={"model": "tiny-a", "prompt": f"Hi {i}", "max_tokens": 4}).status_code == 200
     page.locator(".charts").get_by_text("acme").first.wait_for(timeout=20_000)  # its series, in the legend
-    page.get_by_text("10 requests in the last 1h").wait_for(timeout=20_000)
+    page.get_by_text("13 requests in the last 1h").wait_for(timeout=20_000)  # the batch's 3 lines among them
     with page.expect_download() as download:
         page.get_by_role("button", name="Export CSV").click()
     exported = Path(download.value.path()).read_text().splitlines()
     assert exported[0].startswith("tenant,at,requests") and any(row.startswith("acme,") for row in exported)
     page.goto(f"{console}/ui/#/usage?range=1h&by=adapter")  # the adapter's usage, a series of its own
     page.locator(".charts").get_by_text("house").first.wait_for(timeout=20_000)
+
+    # Batches with their progress; the unfinished one cancelled from the page. Stored responses, without text.
+    page.get_by_role("link", name="Batches").click()
+    page.get_by_role("progressbar", name="Batch batch_elsewhere: 1 of 3 lines done").wait_for()
+    assert page.get_by_role("cell", name="completed", exact=True).count() == 1
+    assert page.get_by_role("button", name="Cancel batch").count() == 1  # the finished one has none
+    page.get_by_role("button", name="Cancel batch batch_elsewhere").click()
+    page.get_by_role("status").get_by_text("Batch batch_elsewhere cancelling.").wait_for()
+    page.get_by_role("cell", name="cancelling", exact=True).wait_for()
+    assert page.get_by_role("button", name="Cancel batch").count() == 0
+    assert httpx.get(f"{console}/admin/batches/batch_elsewhere", headers=AUTH).json()["status"] == "cancelling"
+    page.get_by_role("link", name="Responses").click()
+    page.get_by_role("cell", name="resp_console1", exact=True).wait_for()
+    assert page.get_by_role("cell", name="30, 4").count() == 1 and "never listed" not in page.content()
+    page.get_by_role("button", name="Delete response resp_console0").click()
+    page.get_by_role("status").get_by_text("Response resp_console0 deleted.").wait_for()
+    assert page.get_by_role("cell", name="resp_console0", exact=True).count() == 0
+    assert [r["id"] for r in httpx.get(f"{console}/admin/responses", headers=AUTH).json()] == ["resp_console1"]
 
     # The canary, compared live and rolled back from the routes page.
     page.get_by_role("link", name="Routes").click()
@@ -179,10 +235,14 @@ def test_the_console_from_login_to_rollback_and_its_pages_at_two_widths(chromium
     page.keyboard.press("Enter")
     page.get_by_role("status").get_by_text("Logged in as a tenant administrator.").wait_for()
     visible = page.get_by_role("navigation").get_by_role("link").all_inner_texts()
-    assert visible == ["Keys", "Adapters", "Usage"]
+    assert visible == ["Keys", "Adapters", "Usage", "Batches", "Responses"]
     assert page.url.endswith("/ui/#/keys")  # not the audit page the operator left, which it may not see
     page.get_by_role("cell", name="console test").wait_for()  # acme's key, and no other tenant's
     assert page.get_by_role("cell", name="default", exact=True).count() == 0
+    page.get_by_role("link", name="Batches").click()
+    page.get_by_text("0 batches, newest first").wait_for()  # not the default tenant's
+    page.get_by_role("link", name="Responses").click()
+    page.get_by_text("0 stored responses, newest first").wait_for()
     assert errors == []
     page.close()
     if os.environ.get("SERVEGATE_UPDATE_SCREENSHOTS"):

@@ -1,8 +1,8 @@
-"""Admin API (`/admin/...`): tenants, keys, adapters, usage, audit log, routes. An operator administers
-everything; a tenant's administrator (`admin` scope) sees and manages its own tenant's keys, LoRA
-adapters and usage, within the limits the operator set, and nothing else: another tenant's names answer 404,
-as if they did not exist. Changes take effect in this process at once and on other replicas
-within the refresh interval."""
+"""Admin API (`/admin/...`): tenants, keys, adapters, usage, batches, stored responses, audit log, routes.
+An operator administers everything; a tenant's administrator (`admin` scope) sees and manages its own
+tenant's keys, LoRA adapters, usage, batches and stored responses, within the limits the operator set,
+and nothing else: another tenant's names and ids answer 404, as if they did not exist. Changes take
+effect in this process at once and on other replicas within the refresh interval."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from fastapi.responses import Response
 from pydantic import AfterValidator
 from sqlmodel import Session, col, select
 
+from gateway.api import admin_batches
 from gateway.api.deps import AdminPrincipal, GatewayDep, OperatorPrincipal
 from gateway.errors import GatewayError
 from gateway.rollout import route_versions, shadow
@@ -152,6 +153,39 @@ def delete_adapter(name: str, admin: AdminPrincipal, session: SessionDep, gatewa
     adapter = adapters.delete_adapter(session, admin.subject, name, _reach(admin))
     _changed(gateway)
     return adapter
+
+
+@router.get("/batches")
+def list_batches(admin: AdminPrincipal, session: SessionDep, tenant: str | None = None,
+                 status: admin_batches.BatchStatus | None = None,
+                 limit: Annotated[int, Query(ge=1, le=admin_batches.MAX_LISTED)] = 100) -> list[dict[str, Any]]:
+    """Batches, newest first, as `/v1/batches` shows them with their tenant and key; to operators,
+    also the replica holding each one's lease (`runner`, `lease_until`)."""
+    return admin_batches.list_batches(session, _own(admin, tenant), status, limit, admin.operator)
+
+
+@router.get("/batches/{batch_id}")
+def get_batch(batch_id: str, admin: AdminPrincipal, session: SessionDep) -> dict[str, Any]:
+    return admin_batches.get_batch(session, batch_id, _reach(admin), admin.operator)
+
+
+@router.post("/batches/{batch_id}/cancel")
+def cancel_batch(batch_id: str, admin: AdminPrincipal, session: SessionDep) -> dict[str, Any]:
+    """As the client's cancel: the batch moves to `cancelling` and its runner ends it `cancelled`
+    once the lines under way finish; audited."""
+    return admin_batches.cancel_batch(session, admin.subject, batch_id, _reach(admin), admin.operator)
+
+
+@router.get("/responses")
+def list_responses(admin: AdminPrincipal, session: SessionDep, tenant: str | None = None,
+                   limit: Annotated[int, Query(ge=1, le=admin_batches.MAX_LISTED)] = 100) -> list[dict[str, Any]]:
+    """Stored responses, newest first: their tenant, key, model, times, status and usage, never their text."""
+    return admin_batches.list_responses(session, _own(admin, tenant), limit)
+
+
+@router.delete("/responses/{response_id}")
+def delete_response(response_id: str, admin: AdminPrincipal, session: SessionDep) -> dict[str, Any]:
+    return admin_batches.delete_response(session, admin.subject, response_id, _reach(admin))
 
 
 @router.get("/usage", response_model=UsageReport)

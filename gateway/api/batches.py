@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from sqlalchemy import func
+from sqlalchemy import func, update
 from sqlmodel import Session, col, select
 
 from backends.base import InvalidRequest
@@ -248,6 +248,20 @@ async def get_batch(batch_id: str, principal: InferencePrincipal, gateway: Gatew
     return batch_json(await asyncio.to_thread(read_batch, gateway.db, principal.tenant.name, batch_id))
 
 
+def mark_cancelling(session: Session, batch_id: str) -> BatchRecord:
+    """Move a batch to `cancelling` in the caller's transaction (committed by the caller): its
+    runner takes no more lines, those running finish, and it ends `cancelled` with what was done.
+    A batch finished or already cancelling refuses. The client's cancel and the admin API's share it."""
+    now = datetime.now(UTC)
+    moved = session.exec(update(BatchRecord).where(
+        BatchRecord.id == batch_id, col(BatchRecord.status).not_in((*FINAL, "cancelling")),
+    ).values(status="cancelling", cancelling_at=now)).rowcount  # conditional: a runner may be finishing it
+    row = session.get(BatchRecord, batch_id)
+    if not moved:
+        raise InvalidRequest(f"batch {batch_id!r} is {row.status}: it cannot be cancelled", param="batch_id")
+    return row
+
+
 @router.post("/batches/{batch_id}/cancel")
 async def cancel_batch(batch_id: str, principal: InferencePrincipal, gateway: GatewayDep):
     """The batch stops taking lines; those running finish, and it ends `cancelled` with what was done."""
@@ -255,11 +269,7 @@ async def cancel_batch(batch_id: str, principal: InferencePrincipal, gateway: Ga
     def cancel() -> BatchRecord:
         read_batch(gateway.db, principal.tenant.name, batch_id)
         with Session(gateway.db) as session:
-            row = session.get(BatchRecord, batch_id)
-            if row.status in FINAL or row.status == "cancelling":
-                raise InvalidRequest(f"batch {batch_id!r} is {row.status}: it cannot be cancelled", param="batch_id")
-            row.status, row.cancelling_at = "cancelling", datetime.now(UTC)
-            session.add(row)
+            row = mark_cancelling(session, batch_id)
             session.commit()
             session.refresh(row)
         return row

@@ -69,6 +69,8 @@ function formValues(form, numbers = [], decimals = []) {
 }
 
 const when = value => value ? new Date(value).toISOString().replace("T", " ").slice(0, 19) : "";
+const whenUnix = seconds => seconds == null ? "" : when(seconds * 1000);  // batches and responses: Unix seconds
+const FINISHED = new Set(["completed", "failed", "expired", "cancelled"]);
 const LIMITS = [["rpm", "Requests/min"], ["tpm", "Tokens/min"], ["tokens_per_day", "Tokens/day"],
                 ["max_concurrency", "Concurrent"], ["max_tokens_per_request", "Max tokens/request"]];
 const BUDGETS = [["daily_budget_usd", "Daily budget (USD)"], ["monthly_budget_usd", "Monthly budget (USD)"]];
@@ -211,6 +213,63 @@ const pages = {
       h("p", {}, `${total} requests in the last ${range}, per ${bucket}, by ${by}.`), grid];
   },
 
+  async batches() {
+    const params = new URLSearchParams(location.hash.split("?")[1] || "");
+    const tenant = params.get("tenant") || "", status = params.get("status") || "";
+    const query = new URLSearchParams({ limit: 200, ...(tenant ? { tenant } : {}), ...(status ? { status } : {}) });
+    const batches = await api("GET", `/admin/batches?${query}`);
+    const filters = h("form", { "aria-label": "Filter batches", onchange: event => {
+      location.hash = `#/batches?${new URLSearchParams(formValues(event.currentTarget))}`;
+    }, onsubmit: event => event.preventDefault() },
+      operator ? field("Tenant", "tenant", { value: tenant, placeholder: "all" }) : null,
+      h("label", {}, "Status", h("select", { name: "status" }, ["", "in_progress", "cancelling", "finalizing",
+        "completed", "failed", "expired", "cancelled"].map(s => h("option", { value: s, selected: s === status },
+        s || "any")))));
+    const progress = b => {
+      const { total, completed, failed } = b.request_counts, done = completed + failed;
+      return h("span", {}, h("progress", { max: Math.max(total, 1), value: done,
+        "aria-label": `Batch ${b.id}: ${done} of ${total} lines done` }),
+        ` ${completed}/${total}` + (failed ? `, ${failed} failed` : ""));
+    };
+    const cancel = b => FINISHED.has(b.status) || b.status === "cancelling" ? "" :
+      h("button", { type: "button", class: "danger", "aria-label": `Cancel batch ${b.id}`,
+        onclick: () => confirm(`Cancel batch ${b.id}? The lines under way finish; no others start.`) &&
+          act(() => api("POST", `/admin/batches/${encodeURIComponent(b.id)}/cancel`), `Batch ${b.id} cancelling.`) },
+        "Cancel");
+    return [h("h2", {}, "Batches"), filters, table(`${batches.length} batches, newest first`, [
+      ["ID", b => h("code", {}, b.id)], ["Tenant", b => b.tenant], ["Key", b => b.key_prefix ?? "—"],
+      ["Endpoint", b => b.endpoint], ["Status", b => h("span", { class: `batch-${b.status}` }, b.status)],
+      ["Progress", progress], ["Created", b => whenUnix(b.created_at)], ["Finished", b => whenUnix(b.finished_at)],
+      ["Files (input, output, errors)", b => [b.input_file_id, b.output_file_id, b.error_file_id]
+        .map(id => id ?? "—").join(", ")],
+      ...(operator ? [["Runner", b => b.runner ? `${b.runner} until ${whenUnix(b.lease_until)}` : "—"]] : []),
+      ["", cancel],
+    ], batches)];
+  },
+
+  async responses() {
+    const params = new URLSearchParams(location.hash.split("?")[1] || "");
+    const tenant = params.get("tenant") || "";
+    const query = new URLSearchParams({ limit: 200, ...(tenant ? { tenant } : {}) });
+    const responses = await api("GET", `/admin/responses?${query}`);
+    const filters = operator ? h("form", { "aria-label": "Filter responses", onchange: event => {
+      location.hash = `#/responses?${new URLSearchParams(formValues(event.currentTarget))}`;
+    }, onsubmit: event => event.preventDefault() }, field("Tenant", "tenant", { value: tenant, placeholder: "all" }))
+      : null;
+    return [h("h2", {}, "Stored responses"), filters,
+      h("p", {}, "Kept for /v1/responses clients to read and continue until they expire. Their text is not shown."),
+      table(`${responses.length} stored responses, newest first`, [
+        ["ID", r => h("code", {}, r.id)], ["Tenant", r => r.tenant], ["Key", r => r.key_prefix ?? "—"],
+        ["Model", r => r.model], ["Status", r => r.status ?? "—"],
+        ["Tokens (in, out)", r => r.usage ? `${r.usage.input_tokens}, ${r.usage.output_tokens}` : "—"],
+        ["Created", r => whenUnix(r.created_at)], ["Expires", r => whenUnix(r.expires_at)],
+        ["", r => h("button", { type: "button", class: "danger", "aria-label": `Delete response ${r.id}`,
+          onclick: () => confirm(`Delete response ${r.id}? Its client can no longer read or continue it.`) &&
+            act(() => api("DELETE", `/admin/responses/${encodeURIComponent(r.id)}`), `Response ${r.id} deleted.`) },
+          "Delete")],
+      ], responses)];
+  },
+
   async routes() {
     const states = await api("GET", "/admin/routes");
     const sections = [];
@@ -329,7 +388,7 @@ async function act(change, message) {
 }
 
 const OPERATOR_PAGES = new Set(["tenants", "routes", "backends", "audit"]);
-const LIVE_PAGES = new Set(["usage", "routes", "backends"]);  // redrawn every 5 s while shown
+const LIVE_PAGES = new Set(["usage", "batches", "routes", "backends"]);  // redrawn every 5 s while shown
 
 const hashPage = () => location.hash.replace(/^#\//, "").split("?")[0];
 
