@@ -271,6 +271,8 @@ class BatchRunner:
         output and error files written, and its counts and status set, in one transaction."""
         now = datetime.now(UTC)
         batch, lines, done = self._read(batch_id)
+        if status == "completed" and batch.status == "cancelling":  # a cancel that came as the last lines ran
+            status = "cancelled"
         reason = {"expired": ("batch_expired", "This request could not be executed before the completion window "
                               "expired."),
                   "cancelled": ("batch_cancelled", "This request was not executed: the batch was cancelled."),
