@@ -249,3 +249,19 @@ def test_the_migrations_create_what_the_tables_declare(gw):
         differences = compare_metadata(MigrationContext.configure(connection), SQLModel.metadata)
     assert [d for d in differences if "file" in str(d) or "batch" in str(d) or "response" in str(d)] == []
     assert StoredFile.__tablename__ == "file"
+
+
+def test_a_batch_of_responses_answers_in_the_responses_shape(gw):
+    client = sdk(gw.url)
+    rows = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/responses",
+             "body": {"model": "tiny", "input": f"Say {i}", "max_output_tokens": 4, "store": False}} for i in range(3)]
+    content = "".join(json.dumps(row) + "\n" for row in rows).encode()
+    source = client.files.create(file=("r.jsonl", io.BytesIO(content)), purpose="batch")
+    done = finished(client, client.batches.create(input_file_id=source.id, endpoint="/v1/responses",
+                                                  completion_window="24h").id)
+    output = answers(client, done.output_file_id)
+    assert done.status == "completed" and sorted(o["custom_id"] for o in output) == ["r0", "r1", "r2"]
+    for line in output:
+        body = line["response"]["body"]
+        assert body["object"] == "response" and body["usage"]["output_tokens"] >= 1
+        assert line["response"]["request_id"] == body["id"]

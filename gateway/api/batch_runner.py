@@ -29,7 +29,7 @@ from gateway.api.batches import FINAL, BatchLine
 from gateway.errors import GatewayError, validation_error
 from gateway.service import Gateway
 from gateway.settings import BATCH_API
-from gateway.tables import BatchRecord, BatchResult, StoredFile, StoredResponse
+from gateway.tables import BatchRecord, BatchResult, StoredFile
 from gateway.tenancy.auth import Principal
 
 log = logging.getLogger("servegate.batches")
@@ -93,7 +93,7 @@ class BatchRunner:
         loop = asyncio.get_running_loop()
         while True:
             if loop.time() - purged > PURGE_S:
-                await asyncio.to_thread(purge_expired, self.db, datetime.now(UTC))
+                await asyncio.to_thread(purge_expired, self.db)
                 purged = loop.time()
             for batch_id in await asyncio.to_thread(self._claim):
                 if batch_id not in self._running:
@@ -311,9 +311,10 @@ class BatchRunner:
         log.info("batch %s %s: %d answered, %d failed", batch_id, status, completed, len(results) - completed)
 
 
-def purge_expired(db, now: datetime) -> None:
+def purge_expired(db) -> None:
     """Stored responses and files past their retention are deleted."""
+    now = datetime.now(UTC)
+    responses.purge_expired(db, now)
     with Session(db) as session:
-        session.exec(delete(StoredResponse).where(col(StoredResponse.expires_at) <= now))
         session.exec(delete(StoredFile).where(col(StoredFile.expires_at) <= now))
         session.commit()
