@@ -17,6 +17,8 @@ from backends.base import (
     Capabilities,
     ContextTooLong,
     Delta,
+    Embeddings,
+    EmbedRequest,
     Event,
     Finish,
     GenerateRequest,
@@ -173,12 +175,7 @@ class BuiltinBackend(Backend):
     def _prompt_ids(self, info: CoreInfo, request: GenerateRequest) -> list[int]:
         tokenizer = self.tokenizer
         if request.prompt_token_ids is not None:
-            ids = list(request.prompt_token_ids)
-            bad = [t for t in ids if not 0 <= t < info.vocab_size]
-            if bad:
-                vocab = info.vocab_size
-                raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt")
-            return ids
+            return _in_vocabulary(request.prompt_token_ids, info.vocab_size, "prompt")
         if request.prompt is not None:
             return tokenizer.encode(request.prompt)
         template_speaks_tools = tools.OPEN in (getattr(tokenizer, "chat_template", None) or "")
@@ -219,6 +216,43 @@ class BuiltinBackend(Backend):
             logprobs=_logprobs(request), grammar=_grammar(extra, tool_use),
         )
 
+    # -- embeddings ---------------------------------------------------------------------
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        """Each input an embedding request of its own, all in the engine at once, where steps batch
+        them with generation; the base model's vectors, whatever LoRA adapters the engine serves."""
+        info, front = self._ready()
+        if request.dimensions is not None:
+            # vLLM's rule (`vllm/pooling_params.py`): only a model trained for Matryoshka embeddings
+            # (`is_matryoshka` or `matryoshka_dimensions` in its config) may be cut short; the Llama
+            # models this engine runs are generative, and it reads no such marker.
+            raise InvalidRequest(f"Model {self.model_id!r} does not support Matryoshka embeddings; dimensions must be "
+                                 f"unset (received dimensions={request.dimensions}).", param="dimensions")
+        prompts = await self._off_loop(self._embed_ids, info, request.inputs)
+        tasks = [asyncio.ensure_future(front.embed(f"{request.request_id}-{i}", ids, request.cache_salt))
+                 for i, ids in enumerate(prompts)]
+        try:
+            vectors = await asyncio.gather(*tasks)
+        finally:  # one failed, or the caller left: the others end too, aborting their requests
+            for task in tasks:
+                task.cancel()
+        return Embeddings(list(vectors), sum(map(len, prompts)))
+
+    def _embed_ids(self, info: CoreInfo, inputs: tuple[str | tuple[int, ...], ...]) -> list[list[int]]:
+        """Each input's ids, as vLLM's embeddings route makes them (a text with its special tokens),
+        each of at most the context's tokens (a prompt for no output)."""
+        prompts = []
+        for i, item in enumerate(inputs):
+            ids = self.tokenizer.encode(item) if isinstance(item, str) else _in_vocabulary(item, info.vocab_size,
+                                                                                            "input")
+            if not ids:
+                raise InvalidRequest(f"input {i} is empty", param="input")
+            if len(ids) > info.max_model_len:
+                raise ContextTooLong(f"This model's maximum context length is {info.max_model_len} tokens. However, "
+                                     f"input {i} contains {len(ids)} tokens, which exceeds this limit even without "
+                                     "any output tokens. Please reduce the length of the input.", param="input")
+            prompts.append(ids)
+        return prompts
+
     # -- introspection ------------------------------------------------------------------
     async def capabilities(self) -> Capabilities:
         return Capabilities(
@@ -234,6 +268,7 @@ class BuiltinBackend(Backend):
             max_loras=self.config.max_loras if self.config.enable_lora else 0,
             max_lora_rank=self.config.max_lora_rank if self.config.enable_lora else 0,
             adapters=frozenset(self.adapters),
+            embeddings=True,
         )
 
     async def health(self) -> Health:
@@ -288,6 +323,14 @@ class BuiltinBackend(Backend):
     def _spans(self, text: str) -> list[TokenSpan]:
         encoded = self.tokenizer(text, return_offsets_mapping=True)
         return [TokenSpan(i, text[a:b], a, b) for i, (a, b) in zip(encoded["input_ids"], encoded["offset_mapping"])]
+
+
+def _in_vocabulary(ids, vocab_size: int, param: str) -> list[int]:
+    """Token ids a client sent, each inside the vocabulary."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", param=param)
+    return list(ids)
 
 
 def _number(extra: dict, name: str, kind: type, default, low, high):

@@ -48,6 +48,10 @@ class EngineConfig:
         "flags": None})
     max_loras: int = _help("Adapters one step may run together (compute slots; the others wait in host memory).", 4)
     max_lora_rank: int = _help("The largest adapter rank served (slots are sized for it).", 16)
+    pooling_type: Literal["last", "mean"] = _help(
+        "Embeddings: the prompt's final hidden states (after the last norm) pooled into one L2-normalized vector, "
+        "the last token's (vLLM's default for a decoder model served with --convert embed) | the mean of all.",
+        "last")
     cache_dir: str | None = _help("Converted-weights cache (default: ~/.cache/servegate).", None)
     engine_process: bool = _help("Step the engine in a process of its own (vLLM v1's engine-core split), "
                                  "so HTTP work never holds up a step; else on a thread of this process.",

@@ -48,12 +48,12 @@ class EngineFront:
         self.resident_adapters: tuple[str, ...] = ()  # likewise the LoRA adapters in compute slots
 
     async def stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams, stop: Iterable[str] = (),
-                     cache_salt: str | None = None, adapter: str | None = None
+                     cache_salt: str | None = None, adapter: str | None = None, embed: bool = False
                      ) -> AsyncIterator[StepOutput | BaseException]:
         """Outputs of one request until every choice finished. Leaving early aborts it."""
         out: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), out)
-        self._send(AddRequest(request_id, prompt_ids, params, tuple(stop), cache_salt, adapter))
+        self._send(AddRequest(request_id, prompt_ids, params, tuple(stop), cache_salt, adapter, embed))
         remaining = params.n
         try:
             while remaining:
@@ -66,6 +66,12 @@ class EngineFront:
             self._streams.pop(request_id, None)
             if remaining:
                 self._send(Abort(request_id))
+
+    async def embed(self, request_id: str, prompt_ids: list[int], cache_salt: str | None = None) -> list[float]:
+        """One prompt's embedding, the one output of an embedding request. Cancelled, it aborts."""
+        async for out in self.stream(request_id, prompt_ids, SamplingParams(), cache_salt=cache_salt, embed=True):
+            vector = out.embedding
+        return vector
 
     async def command(self, command: LoadAdapter | UnloadAdapter) -> None:
         """Carry out a command at the core's next step boundary; InvalidRequest with its reason

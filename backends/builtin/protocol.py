@@ -57,6 +57,7 @@ class StepOutput(msgspec.Struct, frozen=True):
     finish_reason: str | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served to this choice
     logprobs: tuple[Logprob, ...] = ()  # one per token, where the request asked for them
+    embedding: list[float] | None = None  # an embedding request's vector, with its finish (and no tokens)
 
 
 class CoreInfo(msgspec.Struct, frozen=True):
@@ -81,6 +82,9 @@ class AddRequest(msgspec.Struct, frozen=True, tag=True):
     stop: tuple[str, ...] = ()
     cache_salt: str | None = None
     adapter: str | None = None  # a LoRA adapter's name, loaded by `LoadAdapter`
+    # An embedding request (vLLM v1's `pooling_params`): its prompt is computed, then pooled into one
+    # vector instead of sampled from (`params` keep their defaults: one choice).
+    embed: bool = False
 
 
 class LoadAdapter(msgspec.Struct, frozen=True, tag=True):

@@ -68,11 +68,17 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    stop: Iterable[str] = (), cache_salt: str | None = None, adapter: str | None = None) -> None:
-        """Queue a request. Validation (lengths, ids) is the caller's: see `check_request`. A
-        duplicate id, an adapter not loaded or a grammar that does not compile is a ValueError."""
+                    stop: Iterable[str] = (), cache_salt: str | None = None, adapter: str | None = None,
+                    embed: bool = False) -> None:
+        """Queue a request; `embed`: an embedding request (its prompt pooled by `pooling_type`, of the
+        base model). Validation (lengths, ids) is the caller's: see `check_request`. A duplicate id,
+        an adapter not loaded or a grammar that does not compile is a ValueError."""
         if request_id in self.scheduler.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
+        if embed:
+            self.scheduler.add(Sequence(list(prompt_ids), params, request_id, cache_salt=cache_salt,
+                                        pooling=self.config.pooling_type))
+            return
         if adapter is not None and adapter not in self.adapters:
             raise ValueError(f"the LoRA adapter {adapter!r} is not loaded")
         matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
@@ -186,12 +192,13 @@ class LLMEngine:
 
     def _execute(self, batch: ScheduledBatch) -> ModelOutput:
         """The model's part of a step: the batch's forward pass, then a token for each sequence
-        whose prompt is now computed. Each further choice of an n > 1 request is forked from its
-        prompt here, to draw its first token from the same logits."""
+        whose prompt is now computed (an embedding request's pooled hidden states instead). Each
+        further choice of an n > 1 request is forked from its prompt here, to draw its first token
+        from the same logits."""
         if self.kv.pending_copies:
             self.runner.copy_blocks(self.kv.pending_copies)
             self.kv.pending_copies.clear()
-        done, logits = self.runner.run(batch)
+        done, logits, pooled = self.runner.run(batch)
         self.steps += 1
         forks = {seq: [seq.fork(i) for i in range(1, seq.params.n)] for seq in done
                  if seq.params.n > 1 and seq.index == 0 and seq.num_output_tokens == 0}
@@ -201,7 +208,7 @@ class LLMEngine:
             to_sample += group
             rows += [row] * len(group)
         tokens, logprobs = sample(logits[rows], to_sample, self.eos_token_ids) if to_sample else ([], [])
-        return ModelOutput(to_sample, tokens, logprobs, forks)
+        return ModelOutput(to_sample, tokens, logprobs, forks, pooled)
 
     # -- offline helper -----------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
@@ -216,3 +223,13 @@ class LLMEngine:
             for out in self.step():
                 outputs[out.request_id].setdefault(out.index, []).extend(out.token_ids)
         return [outputs[rid] for rid in ids]
+
+    def embed(self, prompts: list[list[int]], cache_salt: str | None = None) -> list[list[float]]:
+        """Embed prompts (all in the engine at once); returns their vectors in order."""
+        ids = [f"offline-embed-{id(self)}-{self.steps}-{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            self.add_request(rid, prompt, SamplingParams(), cache_salt=cache_salt, embed=True)
+        vectors: dict[str, list[float]] = {}
+        while self.has_work:
+            vectors |= {out.request_id: out.embedding for out in self.step() if out.embedding is not None}
+        return [vectors[rid] for rid in ids]

@@ -76,8 +76,9 @@ class KVCacheManager:
             seq.block_hashes.append(hash(self._key(seq, i)))
 
     def match_prefix(self, seq: Sequence) -> list[int]:
-        """Ids of cached blocks holding a prefix of `seq`; the last token is always left to compute."""
-        if not self.enable_prefix_caching:
+        """Ids of cached blocks holding a prefix of `seq`; the last token is always left to compute.
+        No hits for a sequence that must compute every token (mean pooling: `Sequence.reads_prefix_cache`)."""
+        if not self.enable_prefix_caching or not seq.reads_prefix_cache:
             return []
         num_blocks = (len(seq) - 1) // self.block_size
         self._hash_blocks(seq, num_blocks)
@@ -145,7 +146,7 @@ class KVCacheManager:
         if hits:
             seq.block_table.extend(hits)
             seq.num_computed_tokens += cached
-        if admission and seq.num_preemptions == 0:
+        if admission and seq.num_preemptions == 0 and seq.reads_prefix_cache:  # a query of the cache
             self.query_tokens += len(seq)
             self.hit_tokens += cached
             seq.num_cached_tokens = cached

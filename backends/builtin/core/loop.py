@@ -77,7 +77,7 @@ def serve(engine: LLMEngine, channel: Channel) -> None:
                     added = True
                     try:
                         engine.add_request(command.request_id, command.prompt_ids, command.params, command.stop,
-                                           command.cache_salt, command.adapter)
+                                           command.cache_salt, command.adapter, command.embed)
                     except ValueError as exc:
                         channel.send(Refused(command.request_id, str(exc)))
                 case LoadAdapter() | UnloadAdapter():

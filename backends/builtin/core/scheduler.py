@@ -18,10 +18,15 @@ When the KV cache runs out, the newest running sequence is preempted: its blocks
 and it goes back to the front of the waiting queue to be recomputed later (its cached full
 blocks usually make that cheap). Nothing it generated is lost: its tokens stay in the sequence.
 
+An embedding request is a sequence that only prefills: scheduled, chunked and cached like any
+prompt within the same budget, it finishes once its prompt is computed, with its pooled vector
+instead of a token. A mean-pooled one reads no cached prefix and, preempted, starts over: it is
+admitted only once the free blocks hold its whole prompt (vLLM schedules such a prompt whole).
+
 After the model ran, `update_from_output` applies the step to the sequences, as vLLM v1's
 `Scheduler.update_from_output` and nano-vllm's `Scheduler.postprocess` do: the scheduler is the
 one writer of a sequence's state (computed tokens, the choices an n > 1 request forks into,
-tokens, text, status and finish reason).
+tokens, text, pooled hidden states, status and finish reason).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+
+import torch
 
 from backends.builtin.config import EngineConfig
 from backends.builtin.core.kv_cache import KVCacheManager
@@ -49,12 +56,15 @@ class ScheduledBatch:
 class ModelOutput:
     """A step's sampled tokens: one for each sequence whose prompt is now computed, and one for
     each further choice of an n > 1 request, forked from that prompt to draw its first token from
-    the same logits (`forks`: parent -> its new choices, which the scheduler takes in)."""
+    the same logits (`forks`: parent -> its new choices, which the scheduler takes in); and each
+    embedding request's share of the step's final hidden states (`pooled`: its prompt's last one once
+    computed, or, for mean pooling, the sum of the chunk's)."""
 
     seqs: list[Sequence]
     tokens: list[int]
     logprobs: list[Logprob | None]
     forks: dict[Sequence, list[Sequence]]
+    pooled: dict[Sequence, torch.Tensor]
 
 
 class Scheduler:
@@ -120,6 +130,8 @@ class Scheduler:
             if not self._adapter_fits(seq):
                 passed_over.append(self.waiting.popleft())
                 continue
+            if not seq.reads_prefix_cache and self.kv.blocks_for(len(seq)) > self.kv.num_free:
+                break  # a mean-pooled prompt waits until all of it fits
             hits = self.kv.match_prefix(seq)
             to_compute = self._to_compute(seq, hits)
             short = to_compute <= self.long_prefill_tokens
@@ -157,6 +169,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.recomputed_tokens += seq.num_computed_tokens
         self.kv.free(seq)
+        seq.pooled = None  # its prompt is computed again from its start (or a cached prefix: last pooling only)
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -165,15 +178,28 @@ class Scheduler:
     # -- applying a step's output -------------------------------------------------------
     def update_from_output(self, batch: ScheduledBatch, output: ModelOutput) -> list[StepOutput]:
         """The step's tokens computed and sampled: computed counts advance, new choices join their
-        parent, each sampled token is appended, and its sequence finished where it stops."""
+        parent, each sampled token is appended, and its sequence finished where it stops; embedding
+        requests add up their pooled hidden states, and finish once their prompt is computed."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.computed_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += n
         for parent, choices in output.forks.items():
             self._take_in(parent, choices)
-        return [self._append(seq, token, logprob)
-                for seq, token, logprob in zip(output.seqs, output.tokens, output.logprobs)]
+        embedded = []
+        for seq, share in output.pooled.items():
+            seq.pooled = share if seq.pooled is None else seq.pooled + share
+            if seq.num_computed_tokens == len(seq):
+                embedded.append(self._embedded(seq))
+        return embedded + [self._append(seq, token, logprob)
+                           for seq, token, logprob in zip(output.seqs, output.tokens, output.logprobs)]
+
+    def _embedded(self, seq: Sequence) -> StepOutput:
+        """An embedding request's vector: its pooled hidden states L2-normalized, as vLLM's embedding
+        pooler does (a sum normalizes to its mean's direction), and the request finished."""
+        vector = torch.nn.functional.normalize(seq.pooled, dim=-1).tolist()
+        self._finish(seq, "stop")
+        return StepOutput(seq.request_id, seq.index, "", (), "stop", seq.num_cached_tokens, embedding=vector)
 
     def _take_in(self, parent: Sequence, choices: list[Sequence]) -> None:
         """Choices forked from `parent` (just prefilled) run next to it, on its blocks."""

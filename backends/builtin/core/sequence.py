@@ -1,5 +1,6 @@
 """A sequence's state inside the engine: token ids, progress, block table, random stream, grammar
-and text. After a step only the scheduler writes it (`Scheduler.update_from_output`)."""
+and text, or an embedding request's pooled hidden states. After a step only the scheduler writes
+it (`Scheduler.update_from_output`)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,11 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None  # prefix-cache namespace: the first block's key starts from it
     adapter_id: int = 0  # the LoRA adapter's weights it runs with (0: none), also a prefix-cache namespace
+    # An embedding request's pooling ("last" | "mean", `EngineConfig.pooling_type`; None: it generates):
+    # it ends once its prompt is computed, with `pooled`, the final hidden states pooled so far (the
+    # last token's, or the sum of those computed, in float32).
+    pooling: str | None = None
+    pooled: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
@@ -66,6 +72,12 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Mean pooling needs every prompt token's hidden state, which a cached prefix would skip
+        (its blocks still join the cache for others)."""
+        return self.pooling != "mean"
 
     @property
     def is_finished(self) -> bool:

@@ -1,4 +1,5 @@
-"""Runs one scheduled batch through the model: inputs, KV cache tensors, logits."""
+"""Runs one scheduled batch through the model: inputs, KV cache tensors, logits, and the final
+hidden states embedding requests pool."""
 
 from __future__ import annotations
 
@@ -156,26 +157,38 @@ class ModelRunner:
         self.lora.forget(adapter_id)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
-        """Compute the batch's new tokens; returns the sequences that now need a next token,
-        with their logits ([len, vocab] float32 on the CPU)."""
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor, dict[Sequence, torch.Tensor]]:
+        """Compute the batch's new tokens; returns the sequences that now need a next token, with
+        their logits ([len, vocab] float32 on the CPU), and each embedding request's share of the
+        final hidden states (float32 on the CPU): its prompt's last one once computed ("last"
+        pooling), or the sum of this chunk's ("mean", added up across chunks by the scheduler)."""
         input_ids: list[int] = []
         positions: list[int] = []
         ctx_lens, logits_index, done = [], [], []
+        hidden_index: list[int] = []  # rows whose final hidden states embedding requests pool
+        pooling: list[tuple[Sequence, int, int]] = []  # (sequence, its first row in hidden_index, rows)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             input_ids += seq.token_ids[start : start + n]
             positions += range(start, start + n)
             ctx_lens.append(start + n)
-            if start + n == len(seq):
+            if seq.pooling == "mean":
+                pooling.append((seq, len(hidden_index), n))
+                hidden_index += range(len(input_ids) - n, len(input_ids))
+            elif start + n == len(seq) and seq.pooling == "last":
+                pooling.append((seq, len(hidden_index), 1))
+                hidden_index.append(len(input_ids) - 1)
+            elif start + n == len(seq):
                 logits_index.append(len(input_ids) - 1)
                 done.append(seq)
         if self.lora is not None:
             self.lora.set_step([s.adapter_id for s in batch.seqs], batch.num_new_tokens, self.adapters)
         meta = AttentionMetadata.build(batch.num_new_tokens, ctx_lens, [s.block_table for s in batch.seqs],
                                        self.block_size, self.device, self.dtype, self.use_kernel, self.chunk_kernel)
-        logits = self.model(
+        logits, hidden = self.model(
             torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
             self.kv_caches, meta, torch.tensor(logits_index, dtype=torch.long, device=self.device),
+            torch.tensor(hidden_index, dtype=torch.long, device=self.device),
         )
-        return done, logits.cpu()
+        hidden = hidden.cpu()
+        return done, logits.cpu(), {seq: hidden[first : first + rows].sum(0) for seq, first, rows in pooling}

@@ -197,9 +197,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
-        meta: AttentionMetadata, logits_index: torch.Tensor,
-    ) -> torch.Tensor:
-        """Hidden states of the step's flattened tokens -> logits at `logits_index` only."""
+        meta: AttentionMetadata, logits_index: torch.Tensor, hidden_index: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states of the step's flattened tokens -> logits at `logits_index` only, and the
+        final hidden states (after the last norm, which only these rows go through) at `hidden_index`,
+        which pooling reads; both float32."""
         x = self.model.embed_tokens(input_ids)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -207,5 +209,6 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta, self.ops)
-        x, _ = self.model.norm(x[logits_index], residual[logits_index], self.ops)
-        return self.lm_head(x).float()
+        index = torch.cat((logits_index, hidden_index))
+        x, _ = self.model.norm(x[index], residual[index], self.ops)
+        return self.lm_head(x[: len(logits_index)]).float(), x[len(logits_index) :].float()
