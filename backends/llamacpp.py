@@ -22,6 +22,11 @@ skips applying them at load, `common/common.cpp`), and only a request that says 
 cached prompt checked against its adapters (`launch_slot_with_task`): this backend always sends it.
 Requests of another adapter set never share a batch (`server_slot::can_batch_with`). llama-cpp-python's `Llama` applies
 one `lora_path` to the whole model when it loads it (`llama_cpp/llama.py`).
+
+Embeddings (the `embeddings` option): llama-server serves `/v1/embeddings` only when started with
+`--embeddings` (else a 501), and only with a pooling other than none (`--pooling last|mean|cls`; a
+GGUF without a pooling key has none: a 400), L2-normalized by default (`--embd-normalize 2`),
+beside its completions (`server-context.cpp` `handle_embeddings_impl`); it reads no `dimensions`.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ from .base import (
     Capabilities,
     ContextTooLong,
     Delta,
+    Embeddings,
+    EmbedRequest,
     Event,
     Finish,
     GenerateRequest,
@@ -110,7 +117,13 @@ class LlamaCppServerBackend(OpenAICompatBackend):
                             model=self.config.model, max_context=self._max_context,
                             prefix_caching=not self.python_server,  # llama-server: cache_prompt, on by default
                             tokenize=not self.python_server, max_loras=1 if self.launched_loras else 0,
-                            adapters=frozenset(self.lora_ids))
+                            adapters=frozenset(self.lora_ids), embeddings=self.config.embeddings)
+
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        if request.dimensions is not None and self.config.embeddings:  # it would answer whole vectors
+            raise InvalidRequest("llama.cpp's servers do not shorten embeddings: leave dimensions out",
+                                 param="dimensions")
+        return await super().embed(request)
 
     async def load_adapter(self, adapter: Adapter) -> None:
         """Servable by name where llama-server loaded its file at launch."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
@@ -27,6 +28,8 @@ from .base import (
     Capabilities,
     ContextTooLong,
     Delta,
+    Embeddings,
+    EmbedRequest,
     Event,
     Finish,
     GenerateRequest,
@@ -67,6 +70,11 @@ class OpenAICompatConfig:
     adapters: list[str] = field(default_factory=list)
     max_loras: int = 0
     max_lora_rank: int = 0
+    # The upstream serves `/v1/embeddings`: said by the operator, as no runtime tells it anywhere a probe
+    # could read without computing one. vLLM serving a pooling model (`--runner pooling`, e.g. with
+    # `--convert embed`), SGLang an embedding model (`--is-embedding`), llama-server started with
+    # `--embeddings` and a pooling other than none; never TGI (Text Embeddings Inference serves them).
+    embeddings: bool = False
 
 
 class OpenAICompatBackend(Backend):
@@ -208,6 +216,28 @@ class OpenAICompatBackend(Backend):
                 raise
             return await self.client.post(path, json=body, **options)
 
+    # -- embeddings -------------------------------------------------------------------------
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        """`/v1/embeddings` of the base model (embeddings take no adapter), vectors as floats whatever
+        the client asked (the gateway encodes them), checked before anyone reads them."""
+        if not self.config.embeddings:
+            return await super().embed(request)
+        texts = sum(isinstance(item, str) for item in request.inputs)
+        if 0 < texts < len(request.inputs):  # OpenAI's `input` is texts or token lists, never both
+            raise InvalidRequest("input mixes texts and token ids", param="input")
+        body = {"model": self.config.model, "encoding_format": "float",
+                "input": [item if isinstance(item, str) else list(item) for item in request.inputs]}
+        if request.dimensions is not None:
+            body["dimensions"] = request.dimensions
+        if self.TAKES_CACHE_SALT and request.cache_salt:
+            body["cache_salt"] = request.cache_salt
+        with self._transport_errors():
+            async with await self._post("/v1/embeddings", body) as response:
+                answer = await response.read()
+                if response.status >= 400:
+                    raise self.error_for_status(response.status, answer)
+        return embeddings_of(answer, len(request.inputs), request.dimensions, self.name)
+
     # -- introspection ----------------------------------------------------------------------
     async def _model_max_len(self) -> int:
         try:
@@ -220,7 +250,7 @@ class OpenAICompatBackend(Backend):
 
     async def capabilities(self) -> Capabilities:
         return Capabilities(runtime=self.config.runtime, version="", model=self.config.model,
-                            max_context=self._max_context, prefix_caching=False)
+                            max_context=self._max_context, prefix_caching=False, embeddings=self.config.embeddings)
 
     async def health(self) -> Health:
         if self._client is None:
@@ -335,6 +365,42 @@ def _choice_parts(choice: dict) -> tuple[str, dict | None]:
     if fields:
         extra["delta"] = fields
     return delta.get("content") or "", extra or None
+
+
+class _Vector(msgspec.Struct):
+    embedding: list[float]
+    index: int | None = None
+
+
+class _EmbeddingsAnswer(msgspec.Struct):
+    data: list[_Vector]
+    usage: dict | None = None
+
+
+def embeddings_of(answer: bytes | dict, inputs: int, dimensions: int | None, who: str) -> Embeddings:
+    """An embeddings answer in OpenAI's shape (JSON, or a client library's dict: `data`, each
+    `{embedding, index}`, and `usage`) checked: one vector per input, in `index` order, all finite
+    and of one length (`dimensions`, where asked); its usage's prompt tokens by `reported_count`.
+    Anything else is the upstream's fault (UpstreamError), never a crash or a wrong answer."""
+    try:
+        parsed = msgspec.json.decode(answer, type=_EmbeddingsAnswer) if isinstance(answer, bytes) else \
+            msgspec.convert(answer, _EmbeddingsAnswer)
+    except msgspec.DecodeError as exc:  # not JSON (a bare NaN), or not this shape
+        raise UpstreamError(f"{who}: the embeddings answer is malformed: {exc}") from exc
+    data = parsed.data
+    if all(item.index is not None for item in data):
+        data = sorted(data, key=lambda item: item.index)
+        if [item.index for item in data] != list(range(len(data))):
+            raise UpstreamError(f"{who}: the embeddings answer's indexes are not 0..{len(data) - 1}")
+    vectors = [item.embedding for item in data]
+    if len(vectors) != inputs:
+        raise UpstreamError(f"{who}: {len(vectors)} vectors for {inputs} inputs")
+    size = dimensions or len(vectors[0])
+    if not size or any(len(vector) != size for vector in vectors):
+        raise UpstreamError(f"{who}: vectors of lengths {sorted({len(v) for v in vectors})}, not all {size}")
+    if not all(all(map(math.isfinite, vector)) for vector in vectors):
+        raise UpstreamError(f"{who}: a vector holds NaN or an infinity")
+    return Embeddings(vectors, reported_count((parsed.usage or {}).get("prompt_tokens")))
 
 
 def usage_of(usage: dict) -> Usage:

@@ -3,6 +3,7 @@ where health and version are. Each profile names the source its routes were chec
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .base import Capabilities
@@ -48,6 +49,4 @@ class ProfileBackend(OpenAICompatBackend):
             self.version = str((await self.get_json(self.profile.version_path)).get("version", ""))
 
     async def capabilities(self) -> Capabilities:
-        caps = await super().capabilities()
-        return Capabilities(runtime=caps.runtime, version=self.version, model=caps.model, max_context=caps.max_context,
-                            prefix_caching=caps.prefix_caching)
+        return dataclasses.replace(await super().capabilities(), version=self.version)

@@ -26,6 +26,8 @@ from .base import (
     Capabilities,
     ContextTooLong,
     Delta,
+    Embeddings,
+    EmbedRequest,
     Event,
     Finish,
     GenerateRequest,
@@ -40,6 +42,7 @@ from .base import (
     Usage,
     reported_count,
 )
+from .openai_compat import embeddings_of
 
 REFUSED = ("connection refused", "connect call failed", "all connection attempts failed", "cannot connect")
 
@@ -51,6 +54,7 @@ class ProviderConfig:
     api_key: str | None = None
     max_context: int = 0  # 0: litellm's model map says, where it knows the model
     options: dict[str, Any] = field(default_factory=dict)  # more litellm arguments (api_version, region...)
+    embeddings: bool | None = None  # the model serves `embed`; None: as litellm's model map says (mode "embedding")
 
 
 def list_price(info: dict[str, Any]) -> Price | None:
@@ -110,6 +114,8 @@ class ProviderBackend(Backend):
             info = {}
         if not self.config.max_context:
             self.config.max_context = reported_count(info.get("max_input_tokens") or info.get("max_tokens"))
+        if self.config.embeddings is None:
+            self.config.embeddings = info.get("mode") == "embedding"
         self.price = list_price(info)
 
     def _arguments(self, request: GenerateRequest) -> dict[str, Any]:
@@ -151,10 +157,29 @@ class ProviderBackend(Backend):
             raise map_error(self.litellm, exc) from exc
         yield Finish(tuple(r or "stop" for r in reasons), usage)
 
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        """litellm's `aembedding`, its answer checked as a remote runtime's is."""
+        if self.litellm is None:
+            raise Unavailable("the provider client is still loading")
+        if not self.config.embeddings:
+            return await super().embed(request)
+        c = self.config
+        args = {**c.options, "model": c.model, "num_retries": 0, "encoding_format": "float",
+                "input": [item if isinstance(item, str) else list(item) for item in request.inputs]}
+        for key, value in (("api_base", c.api_base), ("api_key", c.api_key), ("dimensions", request.dimensions)):
+            if value is not None:
+                args[key] = value
+        try:
+            answer = await self.litellm.aembedding(**args)
+        except Exception as exc:  # noqa: BLE001  (every litellm failure, typed)
+            raise map_error(self.litellm, exc) from exc
+        return embeddings_of(answer.model_dump(), len(request.inputs), request.dimensions, self.name)
+
     async def capabilities(self) -> Capabilities:
         provider = self.config.model.split("/", 1)[0] if "/" in self.config.model else "litellm"
         return Capabilities(runtime="litellm", version=provider, model=self.config.model,
-                            max_context=self.config.max_context, prefix_caching=False, price=self.price)
+                            max_context=self.config.max_context, prefix_caching=False, price=self.price,
+                            embeddings=bool(self.config.embeddings))
 
     async def health(self) -> Health:
         # A provider's health is known from its answers (the routing issue's circuit breaker), not a probe.

@@ -21,7 +21,10 @@ loaded ones with `parent` the base (`http_server.py` `available_models`). `POST 
 "loaded_adapters"}`, 400 when `success` is false (`http_server.py`, `managers/tokenizer_control_mixin.py`,
 `lora/lora_manager.py` `validate_new_adapter`, `lora/lora_registry.py` `unregister`). `/server_info`
 carries `enable_lora`, `max_loras_per_batch` (adapters a batch may mix) and `max_lora_rank` (null
-where inferred from `--lora-paths`)."""
+where inferred from `--lora-paths`).
+
+Embeddings (the `embeddings` option): its `/v1/embeddings` serves a model launched with `--is-embedding`
+only (`entrypoints/openai/serving_embedding.py`)."""
 
 from __future__ import annotations
 
@@ -106,7 +109,8 @@ class SGLangBackend(OpenAICompatBackend):
         return Capabilities(runtime="sglang", version=str(info.get("version", "")), model=self.config.model,
                             max_context=self._max_context, prefix_caching=not info.get("disable_radix_cache", False),
                             max_loras=reported_count(info.get("max_loras_per_batch")) if info.get("enable_lora") else 0,
-                            max_lora_rank=reported_count(info.get("max_lora_rank")), adapters=self.adapters)
+                            max_lora_rank=reported_count(info.get("max_lora_rank")), adapters=self.adapters,
+                            embeddings=self.config.embeddings)
 
     def upstream_model(self, request: GenerateRequest) -> str:
         return self.config.model if request.adapter is None else f"{self.config.model}:{request.adapter}"

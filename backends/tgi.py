@@ -58,6 +58,9 @@ class TGIBackend(OpenAICompatBackend):
     EXTRA_FIELDS = fields.TGI
 
     def __init__(self, config: OpenAICompatConfig, name: str = "tgi") -> None:
+        if config.embeddings:
+            raise ValueError(f"backend {name!r}: TGI serves no embeddings (its sibling, Text Embeddings Inference, "
+                             "does): drop the `embeddings` option")
         super().__init__(config, name)
         self._info: dict = {}
         self.adapters = frozenset(config.adapters)

@@ -9,7 +9,15 @@ LoRA (vLLM 0.32, `entrypoints/openai/models/serving.py`, `entrypoints/serve/lora
 request names an adapter as its `model`; `/v1/models` lists each loaded one with `parent` the base
 model and `root` its path; `POST /v1/load_lora_adapter` {lora_name, lora_path} and
 `/v1/unload_lora_adapter` {lora_name} exist only with VLLM_ALLOW_RUNTIME_LORA_UPDATING set. A missing
-path is a 404 ("No adapter found for PATH"), an unknown adapter to unload a 404."""
+path is a 404 ("No adapter found for PATH"), an unknown adapter to unload a 404.
+
+Embeddings (vLLM 0.32, the `embeddings` option): `/v1/embeddings` exists only where the served model is
+a pooling model (`entrypoints/pooling/factories.py`, "embed" among its tasks), so the adapter is told;
+`--runner pooling --convert embed` makes one of a decoder, pooling its last token's normalized final
+hidden state (`model_executor/models/interfaces_base.py` `default_seq_pooling_type = "LAST"`,
+`layers/pooler/seqwise/poolers.py` `pooler_for_embed`). `dimensions` is refused (400) for a model not
+trained for Matryoshka embeddings (`pooling_params.py`); `cache_salt` salts its prefix cache there too
+(`entrypoints/pooling/base/protocol.py`)."""
 
 from __future__ import annotations
 
@@ -56,7 +64,7 @@ class VLLMBackend(OpenAICompatBackend):
                             max_context=self._max_context,
                             prefix_caching=True,  # on by default for decoder models (vllm/config/cache.py)
                             tokenize=True, max_loras=self.config.max_loras, max_lora_rank=self.config.max_lora_rank,
-                            adapters=self.adapters)
+                            adapters=self.adapters, embeddings=self.config.embeddings)
 
     def upstream_model(self, request: GenerateRequest) -> str:
         return request.adapter or self.config.model
