@@ -60,6 +60,23 @@ def vllm_url(default_model_dir):
         yield url
 
 
+@pytest.fixture(scope="session")
+def vllm_embed_url(default_model_dir):
+    """vLLM's CPU build serving the default model as an embedding model, `smollm2-embed`, in float32
+    (`--runner pooling --convert embed`: its default pooling for a decoder, the last token's final
+    hidden state, normalized), started once for the run. Skips, saying why, as `vllm_url` does."""
+    from backends import peers
+    from backends.launch import supervised
+
+    provisioned_or_skip(peers.vllm_python)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = peers.vllm_command(default_model_dir, port, "smollm2-embed", max_model_len=2048, dtype="float32",
+                                 extra=["--runner", "pooling", "--convert", "embed"])
+    with supervised(command, url, "/health", peers.vllm_env(), 900):
+        yield url
+
+
 @pytest.fixture
 def make_engine(default_model):
     """Engines on the default model (weights shared); every test's engines must end leak-free."""
