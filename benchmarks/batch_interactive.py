@@ -74,8 +74,11 @@ def main() -> None:
                                           completion_window="24h")
             alongside = interactive(url, key, args, Path(tmp) / "alongside.json")
             answered_alongside = client.batches.retrieve(batch.id).request_counts.completed
+            print(f"interactive runs done at {time.monotonic() - started:.0f} s; {answered_alongside} lines answered",
+                  flush=True)
             while client.batches.retrieve(batch.id).request_counts.completed < args.lines // 2:
                 time.sleep(0.5)
+            print(f"restarting the gateway at {time.monotonic() - started:.0f} s", flush=True)
         with supervised(serve, url, "/ready", env, 900):
             at_restart = client.batches.retrieve(batch.id).request_counts.completed
             while (done := client.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired",
