@@ -312,3 +312,22 @@ def pytest_terminal_summary(terminalreporter):
         for target, counts in CONFORMANCE.items():
             terminalreporter.write_line(f"{target:18} {counts['passed']} passed, {counts['failed']} failed, "
                                         f"{counts['skipped']} skipped")
+
+
+@contextlib.asynccontextmanager
+async def running(backends: dict, tmp_path, **settings):
+    """A gateway over `backends`, started, and a client of it."""
+    app = gateway_app(backends, tmp_path, **settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=30) as client:
+            client.gateway = app.state.gateway
+            yield client
+
+
+async def tenant(client: httpx.AsyncClient, name: str, scopes: tuple[str, ...] = ("inference",)) -> dict[str, str]:
+    """A new tenant's key, as request headers."""
+    assert (await client.post("/admin/tenants", json={"name": name}, headers=AUTH)).status_code == 201
+    made = await client.post("/admin/keys", json={"tenant": name, "scopes": list(scopes)}, headers=AUTH)
+    assert made.status_code == 201, made.text
+    return bearer(made.json()["key"])

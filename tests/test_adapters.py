@@ -5,7 +5,6 @@ adapters. Gateways run in process over fake backends that serve (or refuse) adap
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections import Counter
 
@@ -19,7 +18,7 @@ from gateway.inference.routing import PrefixIndex, RequestFacts, Router
 from gateway.rollout.route_versions import PrefixAware, RouteOut, RouteSpec, RouteState, Target
 from gateway.rollout.tgi_migration import MigrationError, TGIDeployment, lora_adapters, plan
 
-from .conftest import AUTH, away_from_minute_edge, bearer, gateway_app
+from .conftest import AUTH, away_from_minute_edge, gateway_app, running, tenant
 
 PATH = "/adapters/support-v2"
 
@@ -61,25 +60,6 @@ class LoraBackend(Backend):
     async def unload_adapter(self, name: str) -> None:
         self.unloads.append(name)
         self.loaded.discard(name)
-
-
-@contextlib.asynccontextmanager
-async def running(backends: dict[str, Backend], tmp_path, **settings):
-    """A gateway over `backends`, started, and a client of it."""
-    app = gateway_app(backends, tmp_path, **settings)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=30) as client:
-            client.gateway = app.state.gateway
-            yield client
-
-
-async def tenant(client: httpx.AsyncClient, name: str, scopes: tuple[str, ...] = ("inference",)) -> dict[str, str]:
-    """A new tenant's key, as request headers."""
-    assert (await client.post("/admin/tenants", json={"name": name}, headers=AUTH)).status_code == 201
-    made = await client.post("/admin/keys", json={"tenant": name, "scopes": list(scopes)}, headers=AUTH)
-    assert made.status_code == 201, made.text
-    return bearer(made.json()["key"])
 
 
 async def register(client: httpx.AsyncClient, headers=AUTH, **fields) -> httpx.Response:

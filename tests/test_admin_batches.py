@@ -7,7 +7,6 @@ in process over a fake backend; batches are created with the official `openai` S
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import io
 import json
 import uuid
@@ -24,7 +23,7 @@ from gateway.cli import app as cli
 from gateway.db import make_engine, upgrade
 from gateway.tables import AuditLog, BatchRecord, StoredFile, StoredResponse
 
-from .conftest import AUTH, bearer, gateway_app
+from .conftest import AUTH, running, tenant
 
 SECRET = "the prompt nobody else may read"
 
@@ -47,23 +46,6 @@ class Echo(Backend):
 
     async def load(self) -> Load:
         return Load()
-
-
-@contextlib.asynccontextmanager
-async def running(tmp_path):
-    app = gateway_app({"echo": Echo()}, tmp_path)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=30) as client:
-            client.gateway = app.state.gateway
-            yield client
-
-
-async def tenant(client: httpx.AsyncClient, name: str, scopes: tuple[str, ...] = ("inference",)) -> dict[str, str]:
-    assert (await client.post("/admin/tenants", json={"name": name}, headers=AUTH)).status_code == 201
-    made = await client.post("/admin/keys", json={"tenant": name, "scopes": list(scopes)}, headers=AUTH)
-    assert made.status_code == 201, made.text
-    return bearer(made.json()["key"])
 
 
 def sdk(client: httpx.AsyncClient, headers: dict[str, str]) -> openai.AsyncOpenAI:
@@ -119,7 +101,7 @@ def audited(db, action: str) -> list[AuditLog]:
 
 
 async def test_batches_per_tenant_for_operators_and_tenant_administrators_and_an_audited_cancel(tmp_path):
-    async with running(tmp_path) as client:
+    async with running({"echo": Echo()}, tmp_path) as client:
         db = client.gateway.db
         acme, globex = await tenant(client, "acme", ("admin", "inference")), await tenant(client, "globex")
         acme_sdk, globex_sdk = sdk(client, acme), sdk(client, globex)
@@ -203,7 +185,7 @@ async def test_batches_per_tenant_for_operators_and_tenant_administrators_and_an
 
 
 async def test_stored_responses_listed_without_their_text_and_deleted_per_tenant(tmp_path):
-    async with running(tmp_path) as client:
+    async with running({"echo": Echo()}, tmp_path) as client:
         db = client.gateway.db
         acme = await tenant(client, "acme", ("admin", "inference"))
         now = datetime.now(UTC)
