@@ -33,9 +33,9 @@ def recorded(engine: LLMEngine, prompt: list[int], max_tokens: int) -> tuple[lis
     run = engine.runner.run
 
     def recording(batch):
-        done, out = run(batch)
+        done, out, pooled = run(batch)
         logits.append(out[0])
-        return done, out
+        return done, out, pooled
 
     engine.runner.run = recording
     try:

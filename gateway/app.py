@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -97,11 +98,13 @@ class LargeBodyGate:
 
 
 def create_app(backends: dict[str, Backend], settings: Settings | None = None, db: Engine | None = None,
-               tracer_provider: TracerProvider | None = None) -> FastAPI:
+               tracer_provider: TracerProvider | None = None,
+               when_unservable: Callable[[], None] | None = None) -> FastAPI:
     """An app serving `backends` (served model id -> backend) to the tenants in the database.
     Backends start in the background, so probes answer at once and /ready turns 200 when
-    they are loaded. Requests are traced into `tracer_provider`, else to the OTLP collector the
-    settings name, else not at all."""
+    they are loaded; one that fails is named in /ready's body and the log, and once none is left to
+    serve `when_unservable` is called (the command stops its server). Requests
+    are traced into `tracer_provider`, else to the OTLP collector the settings name, else not at all."""
     settings = settings or Settings()
     owned_provider = otlp_provider(settings.otlp_endpoint) if tracer_provider is None and settings.otlp_endpoint \
         else None
@@ -113,8 +116,14 @@ def create_app(backends: dict[str, Backend], settings: Settings | None = None, d
         async def start(name: str, backend: Backend) -> None:
             try:
                 await backend.start()
-            except Exception:
-                log.exception("backend for %s failed to start", name)
+            except Exception as exc:
+                gateway.failed_to_start[name] = f"{name}: {exc}"
+                if isinstance(exc, (OSError, ValueError)):  # the model's own fault: its message says it all
+                    log.error("backend for %s failed to start: %s", name, exc)
+                else:
+                    log.exception("backend for %s failed to start", name)
+                if when_unservable is not None and len(gateway.failed_to_start) == len(backends):
+                    when_unservable()
 
         await gateway.start()
         starting = [asyncio.create_task(start(n, b)) for n, b in backends.items()]

@@ -166,7 +166,12 @@ def serve(
             _fail(str(exc))
     else:
         from backends.builtin import BuiltinBackend
+        from backends.builtin.worker.loader import check_servable
 
+        try:
+            check_servable(engine.model or None)
+        except (OSError, ValueError) as exc:
+            _fail(str(exc))
         backend = BuiltinBackend(engine)
         backends = {backend.model_id: backend}
     configure_logging(log_level)
@@ -175,8 +180,12 @@ def serve(
     if key and not settings.admin_key:
         typer.echo(f"Created tenant `default` and an operator key (shown once, store it now):\n{key}", err=True)
     # uvicorn's access log is off: every inference request gets its own JSON line with richer fields.
-    uvicorn.run(create_app(backends, settings, db), host=host, port=port, log_level=log_level, log_config=None,
-                access_log=False)
+    app = create_app(backends, settings, db, when_unservable=lambda: setattr(server, "should_exit", True))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=None,
+                                           access_log=False))
+    server.run()
+    if len(app.state.gateway.failed_to_start) == len(backends):  # nothing was left to serve
+        _fail("; ".join(app.state.gateway.failed_to_start.values()))
 
 
 @db_app.command("upgrade")

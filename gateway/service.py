@@ -85,6 +85,7 @@ class Gateway:
         self.down: dict[str, str] = {}  # background tasks that died and wait for their restart -> why
         self.canary = CanaryGuard(self.router, db, self.metrics, load_rollout(settings.rollout_policy or ROLLOUT))
         self.launched: dict[str, AdapterView] = {}  # adapters the served models' backends serve from launch
+        self.failed_to_start: dict[str, str] = {}  # served model -> why its backend did not start
 
     async def start(self) -> None:
         await asyncio.to_thread(self.directory.load)  # the first read must succeed: no keys, no service

@@ -74,9 +74,9 @@ def test_teacher_forced_logits_match(make_engine, prompts, expected, hf_model):
     run = engine.runner.run
 
     def recording_run(batch):
-        done, logits = run(batch)
+        done, logits, pooled = run(batch)
         seen.append(logits[0])
-        return done, logits
+        return done, logits, pooled
 
     engine.runner.run = recording_run
     prompt = prompts[3]

@@ -3,7 +3,7 @@
 Ready needs one backend ready, not all: one replica down among a route's targets is the router's
 business (it skips it), not a reason to take every gateway out of its load balancer. A background
 task of the gateway's own that died (the usage ledger's writer, say) makes it unready until it is
-running again: its body names the task and why."""
+running again: its body names the task and why, as it names each backend that failed to start."""
 
 from __future__ import annotations
 
@@ -28,4 +28,6 @@ async def ready(gateway: GatewayDep) -> JSONResponse:
     body = {"status": "ready" if ok else "not ready", "models": states}
     if gateway.down:
         body["down"] = dict(gateway.down)
+    if gateway.failed_to_start:
+        body["failed"] = dict(gateway.failed_to_start)
     return JSONResponse(body, status_code=200 if ok else 503)

@@ -53,6 +53,29 @@ def model_name(path: Path) -> str:
     return name.split(".")[0] if path.suffix == ".gguf" else name
 
 
+def unsupported(source: Path, architecture: object) -> ValueError:
+    return ValueError(f"{source}: architecture {architecture!r} is not supported by the built-in engine "
+                      f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
+
+
+def check_servable(path: str | os.PathLike | None = None) -> None:
+    """Refuse, in one line, a model the engine cannot serve, from its metadata alone (config.json's
+    `model_type`, a GGUF's `general.architecture`): before minutes go into converting or loading it."""
+    from gguf import GGUFReader
+
+    source = Path(path) if path else default_model_path()
+    if not source.exists():
+        raise FileNotFoundError(f"model not found: {source} (give a GGUF file or a Hugging Face directory)")
+    if source.suffix == ".gguf":
+        architecture = gguf_field(GGUFReader(source), "general.architecture")
+    elif (source / "config.json").is_file():
+        architecture = json.loads((source / "config.json").read_text()).get("model_type")
+    else:
+        raise FileNotFoundError(f"{source}: neither a GGUF file nor a Hugging Face directory (no config.json)")
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise unsupported(source, architecture)
+
+
 def model_dir(path: str | os.PathLike | None = None, cache_dir: str | None = None) -> Path:
     """The Hugging Face directory of a model: itself, or a GGUF file's conversion (made once)."""
     source = Path(path) if path else default_model_path()
@@ -69,10 +92,7 @@ def load_model(path: str | os.PathLike | None = None, cache_dir: str | None = No
 def load_hf_dir(directory: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], object]:
     cfg = json.loads((directory / "config.json").read_text())
     if cfg.get("model_type") not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"{directory}: architecture {cfg.get('model_type')!r} is not supported by the built-in "
-            f"engine (supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
-        )
+        raise unsupported(directory, cfg.get("model_type"))
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{directory}: no *.safetensors weights")
@@ -132,7 +152,7 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     reader = GGUFReader(path)
     arch = gguf_field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported by the built-in engine")
+        raise unsupported(path, arch)
 
     def meta(key, default=None):
         return gguf_field(reader, f"{arch}.{key}", default)
