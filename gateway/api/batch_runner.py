@@ -19,7 +19,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 from pydantic import ValidationError
-from sqlalchemy import delete, or_, update
+from sqlalchemy import delete, func, or_, update
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
@@ -261,10 +261,12 @@ class BatchRunner:
         return held, status
 
     def _counts(self, batch_id: str) -> tuple[int, int]:
+        """Lines answered 200, and the others: counted by the database, not read out every renewal."""
+        answered = func.count().filter(BatchResult.status_code == 200)
+        query = select(answered, func.count()).where(BatchResult.batch_id == batch_id)
         with Session(self.db) as session:
-            codes = session.exec(select(BatchResult.status_code).where(BatchResult.batch_id == batch_id)).all()
-        completed = sum(1 for code in codes if code == 200)
-        return completed, len(codes) - completed
+            completed, total = session.exec(query).one()
+        return completed, total - completed
 
     def _finish(self, batch_id: str, status: str, errors: list[dict] | None = None) -> None:
         """The batch's end: lines never run are answered as such (expired, cancelled, failed), its

@@ -18,6 +18,7 @@ from sqlmodel import Session, col, select
 from backends.base import InvalidRequest
 from gateway.api.deps import GatewayDep, InferencePrincipal
 from gateway.api.openai import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from gateway.api.responses import Metadata
 from gateway.errors import GatewayError
 from gateway.tables import BatchRecord, StoredFile
 
@@ -182,8 +183,7 @@ class BatchCreate(BaseModel):
     input_file_id: str
     endpoint: str
     completion_window: Literal["24h"] = "24h"
-    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = \
-        Field(default=None, max_length=16)
+    metadata: Metadata | None = None
 
 
 def batch_json(row: BatchRecord) -> dict:
