@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.builtin.worker.models.llama import RMSNorm, rotate_half
+from backends.builtin.worker.models.layers import RMSNorm, rotate_half
 from backends.cpu import bf16_native
 
 

@@ -56,7 +56,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.eos_token_ids, self.max_model_len)
-        self.runner = ModelRunner(self.loaded, config, num_blocks)
+        self.runner = ModelRunner(self.loaded, config, num_blocks, self.max_model_len)
         self.steps = 0
         self.slot_steps = self.live_token_steps = 0  # KV slots allocated / holding live tokens, summed over steps
         self.live = 0  # live tokens after the last step: counted once per step, read by stats()

@@ -17,11 +17,14 @@ to their slots. Then two paths read the cache, one call each per layer:
   holds only whole prompts of one length (SDPA then skips the upper half). Chunks are grouped by length
   (one call per power-of-two class), so a 32-token suffix that hit the prefix cache is not
   padded to a 544-token prompt beside it. It is the reference the kernels are tested against.
+  Layers the kernels do not compute take it too: a sliding window narrows the mask; soft-capped
+  scores (Gemma 2) and sinks (gpt-oss: a learned logit per head in the softmax's denominator)
+  are attended eagerly, as transformers' reference does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +94,19 @@ class GatherPart:
     # layer); None for whole prompts of max_q tokens each: plain causal, where SDPA skips the upper half
     mask: torch.Tensor | None
     max_q: int
+    query_positions: torch.Tensor  # [b, max_q] absolute position of each query row (negative: padding)
+    context_lens: torch.Tensor  # [b]
+    key_len: int  # max_blocks * block_size: the gathered keys of each sequence
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # made once a step per window
+
+    def mask_for(self, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """The step's mask (None: plain causal), or the one that also hides keys `window` or more
+        positions behind their query."""
+        if window is None:
+            return self.mask
+        if window not in self.window_masks:
+            self.window_masks[window] = _mask(self.query_positions, self.context_lens, self.key_len, window, dtype)
+        return self.window_masks[window]
 
 
 @dataclass
@@ -175,19 +191,29 @@ def _gather_part(q_lens, ctx_lens, tables, starts, block_size, device, dtype) ->
     query_index = None  # every chunk max_q long: no padding
     if min(q_lens) < max_q:
         query_index = (seq_of_token * max_q + (max_q - q_lens_t[seq_of_token]) + offset_in_q).to(device)
+    # Query row r of sequence b sits at absolute position ctx - max_q + r (bottom-right aligned).
+    q_pos = (ctx_t[:, None] - max_q + torch.arange(max_q)[None, :]).to(device)
+    ctx_t, key_len = ctx_t.to(device), block_tables.shape[1] * block_size
     mask = None  # whole prompts of max_q tokens each: plain causal
     if not all(q == max_q == ctx for q, ctx in zip(q_lens, ctx_lens)):
-        # Query row r of sequence b sits at absolute position ctx - max_q + r (bottom-right aligned).
-        q_pos = ctx_t[:, None] - max_q + torch.arange(max_q)[None, :]
-        k_pos = torch.arange(block_tables.shape[1] * block_size)[None, None, :]
-        allowed = k_pos <= q_pos[:, :, None]
-        allowed |= (q_pos < 0)[:, :, None]  # padded query rows: any key, their output is dropped
-        allowed &= k_pos < ctx_t[:, None, None]
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))[:, None].to(device)
-    return GatherPart(tokens.to(device), block_tables.to(device), query_index, mask, max_q)
+        mask = _mask(q_pos, ctx_t, key_len, None, dtype)
+    return GatherPart(tokens.to(device), block_tables.to(device), query_index, mask, max_q, q_pos, ctx_t, key_len)
 
 
-def _gather_attention(q: torch.Tensor, kv: LayerKV, part: GatherPart, scale: float) -> torch.Tensor:
+def _mask(q_pos: torch.Tensor, ctx: torch.Tensor, key_len: int, window: int | None, dtype) -> torch.Tensor:
+    """[b, 1, max_q, key_len], added to the scores: 0 where a query row may attend a key, -inf
+    elsewhere: keys after it, beyond its sequence, or (with a window) `window` or more behind it."""
+    k_pos = torch.arange(key_len, device=q_pos.device)[None, None, :]
+    allowed = k_pos <= q_pos[:, :, None]
+    if window is not None:
+        allowed &= k_pos > q_pos[:, :, None] - window
+    allowed |= (q_pos < 0)[:, :, None]  # padded query rows: any key, their output is dropped
+    allowed &= k_pos < ctx[:, None, None]
+    return torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device).masked_fill_(~allowed, float("-inf"))[:, None]
+
+
+def _gather_attention(q: torch.Tensor, kv: LayerKV, part: GatherPart, scale: float, window: int | None = None,
+                      softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     num_heads, head_dim = q.shape[1:]
     batch = part.block_tables.shape[0]
     keys, values = (kv.gathered(i, part.block_tables, q.dtype).transpose(1, 2) for i in (0, 1))  # [b, Hkv, L, D]
@@ -196,16 +222,46 @@ def _gather_attention(q: torch.Tensor, kv: LayerKV, part: GatherPart, scale: flo
         queries = q.new_zeros(batch * part.max_q, num_heads, head_dim)
         queries[part.query_index] = q
     queries = queries.view(batch, part.max_q, num_heads, head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=part.mask, is_causal=part.mask is None,
-                                         scale=scale, enable_gqa=True)
+    mask = part.mask_for(window, q.dtype)
+    if softcap is None and sinks is None:
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=mask is None,
+                                             scale=scale, enable_gqa=True)
+    else:
+        if mask is None:
+            mask = _mask(part.query_positions, part.context_lens, part.key_len, None, q.dtype)
+        out = _eager_attention(queries, keys, values, mask, scale, softcap, sinks)
     out = out.transpose(1, 2).reshape(batch * part.max_q, num_heads, head_dim)
     return out if part.query_index is None else out[part.query_index]
 
 
+def _eager_attention(queries, keys, values, mask, scale, softcap, sinks) -> torch.Tensor:
+    """Scores soft-capped (tanh(s / cap) * cap, Gemma 2) before the mask, and a sink per head
+    (gpt-oss) as one more logit in each softmax, its share dropped after it."""
+    groups = queries.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    scores = queries @ keys.transpose(2, 3) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + mask
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(queries.dtype) @ values
+    batch, heads, rows, _ = scores.shape
+    scores = torch.cat([scores, sinks.to(scores.dtype).view(1, heads, 1, 1).expand(batch, heads, rows, 1)], dim=-1)
+    probs = torch.softmax(scores - scores.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+    return probs.to(values.dtype) @ values
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H, D]."""
+                    scale: float, window: int | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H, D]. A window, soft-cap or sinks need a step
+    whose every token takes the PyTorch path (the runner builds such steps for such models)."""
     kv.write(meta.slot_mapping, k, v)
+    if window is not None or softcap is not None or sinks is not None:
+        out = torch.empty_like(q)
+        for part in meta.gather:
+            out[part.tokens] = _gather_attention(q[part.tokens], kv, part, scale, window, softcap, sinks)
+        return out
     if meta.kernel is not None and meta.chunks is None and not meta.gather:  # pure decode: no reordering
         return kernels.paged_attention(q, kv, meta.kernel.block_tables, meta.kernel.positions, scale)
     if meta.kernel is None and meta.chunks is None and len(meta.gather) == 1:  # one class: every token, in order

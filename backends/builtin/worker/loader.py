@@ -21,11 +21,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from backends.builtin.worker.gguf_file import gguf_field
-from backends.builtin.worker.models.llama import LlamaConfig
+from backends.builtin.worker.models import SUPPORTED_ARCHITECTURES, model_config
+from backends.builtin.worker.models.config import ModelConfig
 from backends.default_model import default_model_path
 
 CONVERTER_VERSION = "2"  # bump when the conversion changes, to invalidate caches
-SUPPORTED_ARCHITECTURES = {"llama"}
+GGUF_ARCHITECTURES = {"llama"}  # GGUF `general.architecture` values read
 # transformers resolves its names lazily, and two threads resolving them at once (two engines
 # starting together) can see a half-imported module: one import at a time.
 _TRANSFORMERS = threading.Lock()
@@ -42,7 +43,7 @@ def load_tokenizer(*args, **kwargs):
 @dataclass
 class LoadedModel:
     name: str
-    config: LlamaConfig
+    config: ModelConfig
     weights: dict[str, torch.Tensor]
     tokenizer: object  # a transformers PreTrainedTokenizerFast
     source: Path
@@ -53,9 +54,9 @@ def model_name(path: Path) -> str:
     return name.split(".")[0] if path.suffix == ".gguf" else name
 
 
-def unsupported(source: Path, architecture: object) -> ValueError:
+def unsupported(source: Path, architecture: object, supported=SUPPORTED_ARCHITECTURES) -> ValueError:
     return ValueError(f"{source}: architecture {architecture!r} is not supported by the built-in engine "
-                      f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
+                      f"(supported: {', '.join(sorted(supported))})")
 
 
 def check_servable(path: str | os.PathLike | None = None) -> None:
@@ -68,12 +69,14 @@ def check_servable(path: str | os.PathLike | None = None) -> None:
         raise FileNotFoundError(f"model not found: {source} (give a GGUF file or a Hugging Face directory)")
     if source.suffix == ".gguf":
         architecture = gguf_field(GGUFReader(source), "general.architecture")
+        if architecture not in GGUF_ARCHITECTURES:
+            raise unsupported(source, architecture, GGUF_ARCHITECTURES)
     elif (source / "config.json").is_file():
         architecture = json.loads((source / "config.json").read_text()).get("model_type")
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise unsupported(source, architecture)
     else:
         raise FileNotFoundError(f"{source}: neither a GGUF file nor a Hugging Face directory (no config.json)")
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise unsupported(source, architecture)
 
 
 def model_dir(path: str | os.PathLike | None = None, cache_dir: str | None = None) -> Path:
@@ -89,7 +92,7 @@ def load_model(path: str | os.PathLike | None = None, cache_dir: str | None = No
     return LoadedModel(model_name(source), *load_hf_dir(model_dir(source, cache_dir)), source)
 
 
-def load_hf_dir(directory: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], object]:
+def load_hf_dir(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], object]:
     cfg = json.loads((directory / "config.json").read_text())
     if cfg.get("model_type") not in SUPPORTED_ARCHITECTURES:
         raise unsupported(directory, cfg.get("model_type"))
@@ -99,7 +102,7 @@ def load_hf_dir(directory: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], 
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         weights.update(load_file(file))
-    config = LlamaConfig.from_hf(cfg)
+    config = model_config(cfg)
     if "lm_head.weight" not in weights and not config.tie_word_embeddings:
         raise ValueError(f"{directory}: lm_head.weight is missing and embeddings are not tied")
     return config, weights, load_tokenizer(directory)
@@ -151,8 +154,8 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
     reader = GGUFReader(path)
     arch = gguf_field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise unsupported(path, arch)
+    if arch not in GGUF_ARCHITECTURES:
+        raise unsupported(path, arch, GGUF_ARCHITECTURES)
 
     def meta(key, default=None):
         return gguf_field(reader, f"{arch}.{key}", default)

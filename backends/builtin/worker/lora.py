@@ -21,7 +21,8 @@ import torch
 
 from backends.builtin.worker.gguf_file import gguf_field
 from backends.builtin.worker.loader import hf_name, unpermute
-from backends.builtin.worker.models.llama import PACKED, LlamaConfig
+from backends.builtin.worker.models import PACKED
+from backends.builtin.worker.models.config import ModelConfig
 
 # The projections an adapter may target, by Hugging Face's module names (PEFT's `target_modules`).
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -39,7 +40,7 @@ class LoRAWeights:
     factors: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-def read_adapter(path: str | Path, config: LlamaConfig, max_rank: int) -> LoRAWeights:
+def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoRAWeights:
     """A PEFT LoRA directory (adapter_config.json + adapter_model.safetensors) or a GGUF LoRA file,
     checked against the model: ValueError naming what does not fit."""
     path = Path(path)
@@ -92,7 +93,7 @@ def _read_peft(directory: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     return factors
 
 
-def _read_gguf(path: Path, config: LlamaConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _read_gguf(path: Path, config: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """llama.cpp's LoRA GGUF (`convert_lora_to_gguf.py`): `general.type` adapter, `adapter.type` lora,
     tensors `<base tensor>.lora_a` [r, in] and `.lora_b` [out, r], Q and K's B rows in the base's
     interleaved-RoPE order; scaled as llama.cpp's `build_lora_mm` scales them: `adapter.lora.alpha / r`,
@@ -147,7 +148,7 @@ def _pattern(patterns: dict | None, module: str, default):
     return default
 
 
-def _shape(config: LlamaConfig, module: str) -> tuple[int, int]:
+def _shape(config: ModelConfig, module: str) -> tuple[int, int]:
     """(in, out) features of a Hugging Face projection of this model."""
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     hidden, inter = config.hidden_size, config.intermediate_size
@@ -207,7 +208,7 @@ class LoRASlots:
     """`max_loras` compute slots over the model's targeted Linears; adapters enter them least
     recently used out, as the steps that run them need them."""
 
-    def __init__(self, model: torch.nn.Module, config: LlamaConfig, max_loras: int, max_rank: int,
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, max_loras: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device, ops) -> None:
         self.max_loras, self.ops, self.device = max_loras, ops, device
         self.resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first

@@ -14,7 +14,8 @@ from backends.builtin.worker import kernels
 from backends.builtin.worker.attention import AttentionMetadata, LayerKV
 from backends.builtin.worker.loader import LoadedModel
 from backends.builtin.worker.lora import LoRASlots, LoRAWeights, read_adapter
-from backends.builtin.worker.models.llama import LlamaForCausalLM, pack_weights, rope_inv_freq
+from backends.builtin.worker.models import model_weights
+from backends.builtin.worker.models.layers import CausalLM
 from backends.cpu import bf16_native
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -100,14 +101,14 @@ def pick_device(name: str) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
         self.device = pick_device(config.device)
         self.dtype, self.dtype_reason = pick_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         cfg = loaded.config
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg)
-        missing, unexpected = model.load_state_dict(pack_weights(loaded.weights), strict=False, assign=True)
+            model = CausalLM(cfg)
+        missing, unexpected = model.load_state_dict(model_weights(loaded.weights, cfg), strict=False, assign=True)
         missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
         if missing or unexpected:
             raise ValueError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
@@ -116,7 +117,7 @@ class ModelRunner:
         model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model = quantized(model, config.weight_quant, self.device) if config.weight_quant != "none" else \
             prepacked(model, self.dtype, self.device, native=config.attention != "torch")
-        self.model.inv_freq = rope_inv_freq(cfg).to(self.device)  # kept in fp32, as the reference does
+        self.model.prepare(self.device, max_model_len)
         if config.weight_quant == "none" and config.attention != "torch":
             self.model.ops = kernels.layer_ops(self.device, self.dtype)
         self.config, self.max_lora_rank = cfg, config.max_lora_rank
@@ -130,11 +131,12 @@ class ModelRunner:
             for _ in range(cfg.num_hidden_layers)
         ]
         cache_dtype = self.kv_caches[0].data.dtype
-        self.use_kernel = config.attention != "torch" and kernels.available(self.device, cache_dtype, cfg.head_dim)
+        self.use_kernel = config.attention != "torch" and self.model.plain_attention and kernels.available(
+            self.device, cache_dtype, cfg.head_dim)
         self.chunk_kernel = self.use_kernel and kernels.chunk_kernel_serves(cache_dtype)
         if config.attention == "native" and not self.use_kernel:
-            raise ValueError(f"the native attention kernel does not serve {self.device} / {cache_dtype} / "
-                             f"head_dim {cfg.head_dim} here")
+            raise ValueError(f"the native attention kernels do not serve {self.device} / {cache_dtype} / "
+                             f"head_dim {cfg.head_dim} / this model's attention (windows, soft-caps, sinks) here")
 
     def kv_bytes_per_token(self) -> float:
         kv = self.kv_caches[0]
