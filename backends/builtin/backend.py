@@ -194,9 +194,10 @@ class BuiltinBackend(Backend):
         request = self.admit_extras(request)  # nothing unchecked reaches the template
         messages, template_fields = tools.render(text_only(request.messages), ToolUse.of(request.extra),
                                                  self.chat_format)
+        template_fields |= _template_switches(request.extra)
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                                 **template_fields, **_template_switches(request.extra))
+                                                 **template_fields)
         except Exception as exc:  # jinja raises on messages the template cannot render
             raise InvalidRequest(f"the chat template cannot render these messages: {exc}", param="messages") from exc
         return tokenizer.encode(text, add_special_tokens=False)  # the template holds any special tokens

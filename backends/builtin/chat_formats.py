@@ -142,9 +142,20 @@ class Parser:
 
     def __init__(self) -> None:
         self.pending = ""  # text not yet attributed: a marker's beginning, an unfinished call
+        self.separated = False  # just past a call or a reasoning block, where whitespace only separates
 
     def feed(self, text: str, final: bool) -> Parsed:
         raise NotImplementedError
+
+    def text(self, out: Parsed, text: str) -> None:
+        if self.separated:
+            text = text.lstrip()
+            self.separated = not text
+        out.content += text
+
+    def call(self, out: Parsed, name: str, arguments: dict) -> None:
+        out.calls.append((name, arguments))
+        self.separated = True
 
 
 class PlainText(Parser):
@@ -189,8 +200,9 @@ class ThinkParser(Parser):
             out.reasoning, marker, self.pending = split(self.pending, (self.tags.close,), final)
             if marker is None:
                 return out
-            self.state = "content"
-        out.content, self.pending = self.pending, ""
+            self.state, self.separated = "content", True
+        self.text(out, self.pending)
+        self.pending = ""
         return out
 
 
@@ -260,14 +272,14 @@ class HermesParser(Parser):
         while True:
             if not self.in_call:
                 before, marker, self.pending = split(self.pending, (self.form.opener,), final)
-                out.content += before
+                self.text(out, before)
                 if marker is None:
                     return out
                 self.in_call = True
             end = self.pending.find(self.form.closer)
             if end < 0:
                 if final:  # an unfinished call (max_tokens): left as text
-                    out.content += self.form.opener + self.pending
+                    self.text(out, self.form.opener + self.pending)
                     self.pending = ""
                 return out
             body, self.pending, self.in_call = self.pending[:end], self.pending[end + len(self.form.closer):], False
@@ -276,9 +288,9 @@ class HermesParser(Parser):
             except ValueError:
                 call = None
             if call:
-                out.calls.append(call)
+                self.call(out, *call)
             else:
-                out.content += self.form.opener + body + self.form.closer
+                self.text(out, self.form.opener + body + self.form.closer)
 
 
 MISTRAL_ID = string.ascii_letters + string.digits
@@ -342,7 +354,8 @@ class MistralArrayParser(Parser):
         self.pending += text
         out = Parsed()
         if self.state == "content":
-            out.content, marker, self.pending = split(self.pending, (self.opener,), final)
+            before, marker, self.pending = split(self.pending, (self.opener,), final)
+            self.text(out, before)
             if marker is None:
                 return out
             self.state = "calls"
@@ -352,11 +365,13 @@ class MistralArrayParser(Parser):
                 return out
             calls = [as_call(item) for item in found[0]] if found and isinstance(found[0], list) else []
             if calls and all(calls):
-                out.calls, self.pending = calls, found[1]
+                for call in calls:
+                    self.call(out, *call)
+                self.pending = found[1]
             else:  # not calls after all: left as text
                 self.pending = self.opener + self.pending
             self.state = "after"
-        out.content += self.pending
+        self.text(out, self.pending)
         self.pending = ""
         return out
 
@@ -386,7 +401,7 @@ class MistralNamedParser(Parser):
         while True:
             if self.state == "content":
                 before, marker, self.pending = split(self.pending, ("[TOOL_CALLS]",), final)
-                out.content += before
+                self.text(out, before)
                 if marker is None:
                     return out
                 self.state = "name"
@@ -394,17 +409,17 @@ class MistralNamedParser(Parser):
                 name, marker, rest = split(self.pending, ("[ARGS]",), final)
                 if marker is None:
                     if final:
-                        out.content += "[TOOL_CALLS]" + self.pending
+                        self.text(out, "[TOOL_CALLS]" + self.pending)
                         self.pending = ""
                     return out
                 self.name, self.pending, self.state = name.split("[CALL_ID]")[0], rest, "arguments"
             found = leading_json(self.pending)
             if found is None or not isinstance(found[0], dict):
                 if final:
-                    out.content += f"[TOOL_CALLS]{self.name}[ARGS]{self.pending}"
+                    self.text(out, f"[TOOL_CALLS]{self.name}[ARGS]{self.pending}")
                     self.pending = ""
                 return out
-            out.calls.append((self.name, found[0]))
+            self.call(out, self.name, found[0])
             self.pending, self.state = found[1], "content"
 
 
@@ -447,7 +462,8 @@ class Llama3Parser(Parser):
             else:
                 return out
         if self.state == "content":
-            out.content, self.pending = self.pending, ""
+            self.text(out, self.pending)
+            self.pending = ""
             return out
         if final:  # calls are read whole: `{...}`, or several joined by `;` (vLLM's llama3_json)
             calls, rest = [], self.pending
@@ -456,9 +472,10 @@ class Llama3Parser(Parser):
                 calls.append(call)
                 rest = found[1].lstrip().removeprefix(";")
             if calls and not rest.strip():
-                out.calls = calls
+                for call in calls:
+                    self.call(out, *call)
             else:
-                out.content = self.pending
+                self.text(out, self.pending)
             self.pending = ""
         return out
 
@@ -509,7 +526,7 @@ class HarmonyParser(Parser):
         while True:
             if self.state == "between":
                 before, marker, rest = split(self.pending, self.OPENERS, final)
-                out.content += before
+                self.text(out, before)
                 if marker is None:
                     self.pending = rest
                     return out
@@ -534,13 +551,13 @@ class HarmonyParser(Parser):
                 except ValueError:
                     arguments = None
                 if isinstance(arguments, dict):
-                    out.calls.append((self.recipient.removeprefix("functions."), arguments))
+                    self.call(out, self.recipient.removeprefix("functions."), arguments)
                 else:
-                    out.content += body
+                    self.text(out, body)
             elif self.channel == "analysis":
                 out.reasoning += body
             else:  # the final answer, or a preamble to the user on the commentary channel
-                out.content += body
+                self.text(out, body)
             if marker is None:
                 self.pending = rest
                 return out
@@ -633,8 +650,8 @@ class OutputParser:
     def feed(self, text: str, final: bool) -> tuple[str, dict]:
         out = Parsed()
         if self.thinking:
-            split_out = self.thinking.feed(text, final)
-            out.reasoning, text = split_out.reasoning, split_out.content
+            thought = self.thinking.feed(text, final)
+            out.reasoning, text = thought.reasoning, thought.content
         out.add(self.tools.feed(text, final))
         fields: dict = {}
         if out.reasoning:
@@ -645,5 +662,4 @@ class OutputParser:
                  "function": {"name": name, "arguments": json.dumps(arguments)}}
                 for i, (name, arguments) in enumerate(out.calls)]
             self.calls += len(out.calls)
-        content = "" if self.calls and not out.content.strip() else out.content  # no blank content beside calls
-        return content, fields
+        return out.content, fields
