@@ -24,6 +24,7 @@ from backends.builtin.chat_formats import ChatFormat, Harmony, Hermes, Llama3Jso
 from backends.builtin.core.detokenizer import Detokenizer
 from backends.builtin.core.structured import Grammars
 from backends.builtin.tools import ToolUse
+from backends.constraints import Constraint
 
 from .conftest import ADMIN_KEY, running
 
@@ -329,6 +330,17 @@ def test_grammars_hold_each_family_to_its_format(tokenizer):
     call = CALL["qwen3"].format(name="get_time", arguments='{"tz":"UTC"}')
     assert accepted(qwen3, GET_TIME, "</think>\n\n" + call, "<think>\n")
     assert not accepted(qwen3, GET_TIME, call, "<think>\n")
+    # a JSON answer goes where the format puts the answer; a raw grammar holds the output as written
+    json_answer = Constraint("json_object", source="response_format")
+    for chat, tail, before in ((qwen3, "<think>\n", "</think>\n\n"), (qwen3, "", ""),
+                               (chat_format(tokenizer, "gpt-oss"), "", "<|channel|>final<|message|>")):
+        constraint = chat.answer_constraint(json_answer, tail)
+        for text, accepts in ((before + '{"a":1}', True), ('x{"a":1}', False)):
+            state = grammars.matcher(constraint).state
+            assert (state.consume_tokens(tokenizer.encode(text, add_special_tokens=False))
+                    and state.is_accepting()) == accepts, (before, text)
+    raw = Constraint("regex", "[a-z]+", "structured_outputs")
+    assert chat_format(tokenizer, "gpt-oss").answer_constraint(raw, "") == raw
 
 
 def test_a_marker_that_is_a_special_token_is_that_token(tokenizer):

@@ -122,7 +122,7 @@ def partial_prefix(text: str, marker: str) -> int:
 def leading_json(text: str) -> tuple[object, str] | None:
     """The JSON value `text` begins with (after whitespace) and the text after it; None until it is complete."""
     body = text.lstrip()
-    if not body.rstrip().endswith(("}", "]")):  # no value is complete yet: spare the decoder
+    if "}" not in body and "]" not in body:  # no object or array is complete yet: spare the decoder
         return None
     try:
         value, end = json.JSONDecoder().raw_decode(body)
@@ -132,6 +132,7 @@ def leading_json(text: str) -> tuple[object, str] | None:
 
 
 def as_call(value: object, arguments_key: str = "arguments") -> tuple[str, dict] | None:
+    """(name, arguments) of a decoded `{"name": ..., arguments_key: {...}}`; None for anything else."""
     if isinstance(value, dict) and isinstance(value.get("name"), str) and isinstance(value.get(arguments_key), dict):
         return value["name"], value[arguments_key]
     return None
@@ -215,6 +216,7 @@ class ToolFormat:
     opener = ""  # what begins a call (or the calls) in free text
     separator = ""  # between two calls of one answer
     parallel = True  # may one answer hold several calls
+    answer_header: tuple[str, ...] = ()  # what a plain answer begins with
 
     def call(self, lark: Lark, tool: Tool) -> str:
         return f"{lark.seq(self.opener)} {self.after_opener(lark, tool)}"
@@ -246,6 +248,7 @@ class ToolFormat:
 class Hermes(ToolFormat):
     mentions = ("<tool_call>",)
     opener, closer, separator = "<tool_call>", "</tool_call>", "\n"
+    markers = (opener, closer)
     tail = "}\n"  # the call's end before the closer
 
     def after_opener(self, lark: Lark, tool: Tool) -> str:
@@ -293,6 +296,7 @@ class HermesParser(Parser):
                 self.text(out, self.form.opener + body + self.form.closer)
 
 
+TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"  # Mistral's control tokens
 MISTRAL_ID = string.ascii_letters + string.digits
 MISTRAL_ID_LENGTH = 9  # Mistral's templates refuse any other call id (mistral-common's validator)
 
@@ -300,7 +304,7 @@ MISTRAL_ID_LENGTH = 9  # Mistral's templates refuse any other call id (mistral-c
 class Mistral(ToolFormat):
     """What Mistral's formats share: `[TOOL_CALLS]` opens the calls, and call ids are 9 letters or digits."""
 
-    opener = "[TOOL_CALLS]"
+    opener = TOOL_CALLS
 
     def call_id(self) -> str:
         return "".join(random.choices(MISTRAL_ID, k=MISTRAL_ID_LENGTH))
@@ -322,8 +326,7 @@ def _mistral_id(call_id):
 class MistralArray(Mistral):
     """v3 tokenizers (Mistral 7B v0.3, Nemo): the answer's calls in one JSON array."""
 
-    mentions = ("[TOOL_CALLS]",)
-    markers = ("[TOOL_CALLS]",)
+    mentions = markers = (TOOL_CALLS,)
     separator = ", "
 
     def item(self, lark: Lark, tool: Tool) -> str:
@@ -342,19 +345,19 @@ class MistralArray(Mistral):
         return lark.triggered(self.opener, self.array(lark, tools, several), "?")
 
     def parser(self) -> Parser:
-        return MistralArrayParser(self.opener)
+        return MistralArrayParser()
 
 
 class MistralArrayParser(Parser):
-    def __init__(self, opener: str) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.opener, self.state = opener, "content"
+        self.state = "content"
 
     def feed(self, text: str, final: bool) -> Parsed:
         self.pending += text
         out = Parsed()
         if self.state == "content":
-            before, marker, self.pending = split(self.pending, (self.opener,), final)
+            before, marker, self.pending = split(self.pending, (TOOL_CALLS,), final)
             self.text(out, before)
             if marker is None:
                 return out
@@ -369,7 +372,7 @@ class MistralArrayParser(Parser):
                     self.call(out, *call)
                 self.pending = found[1]
             else:  # not calls after all: left as text
-                self.pending = self.opener + self.pending
+                self.pending = TOOL_CALLS + self.pending
             self.state = "after"
         self.text(out, self.pending)
         self.pending = ""
@@ -380,11 +383,11 @@ class MistralNamed(Mistral):
     """v11 tokenizers and later (Mistral Small 3.2, Magistral, Devstral): each call its own
     `[TOOL_CALLS]NAME[ARGS]{...}` (some templates write `[CALL_ID]ID` before `[ARGS]`)."""
 
-    mentions = ("[ARGS]",)
-    markers = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
+    mentions = (ARGS,)
+    markers = (TOOL_CALLS, ARGS, CALL_ID)
 
     def after_opener(self, lark: Lark, tool: Tool) -> str:
-        return f"{lark.seq(tool.name, '[ARGS]')} {arguments(tool)}"
+        return f"{lark.seq(tool.name, ARGS)} {arguments(tool)}"
 
     def parser(self) -> Parser:
         return MistralNamedParser()
@@ -400,34 +403,37 @@ class MistralNamedParser(Parser):
         out = Parsed()
         while True:
             if self.state == "content":
-                before, marker, self.pending = split(self.pending, ("[TOOL_CALLS]",), final)
+                before, marker, self.pending = split(self.pending, (TOOL_CALLS,), final)
                 self.text(out, before)
                 if marker is None:
                     return out
                 self.state = "name"
             if self.state == "name":
-                name, marker, rest = split(self.pending, ("[ARGS]",), final)
+                name, marker, rest = split(self.pending, (ARGS,), final)
                 if marker is None:
                     if final:
-                        self.text(out, "[TOOL_CALLS]" + self.pending)
+                        self.text(out, TOOL_CALLS + self.pending)
                         self.pending = ""
                     return out
-                self.name, self.pending, self.state = name.split("[CALL_ID]")[0], rest, "arguments"
+                self.name, self.pending, self.state = name.split(CALL_ID)[0], rest, "arguments"
             found = leading_json(self.pending)
             if found is None or not isinstance(found[0], dict):
                 if final:
-                    self.text(out, f"[TOOL_CALLS]{self.name}[ARGS]{self.pending}")
+                    self.text(out, f"{TOOL_CALLS}{self.name}{ARGS}{self.pending}")
                     self.pending = ""
                 return out
             self.call(out, self.name, found[0])
             self.pending, self.state = found[1], "content"
 
 
+PYTHON_TAG = "<|python_tag|>"
+
+
 class Llama3Json(ToolFormat):
     """Llama 3.1 / 3.2: one call, as the whole answer."""
 
-    mentions = ("<|python_tag|>", '"parameters": dictionary of argument name')
-    markers = ("<|python_tag|>",)
+    mentions = (PYTHON_TAG, '"parameters": dictionary of argument name')
+    markers = (PYTHON_TAG,)
     parallel = False
 
     def call(self, lark: Lark, tool: Tool) -> str:
@@ -437,15 +443,13 @@ class Llama3Json(ToolFormat):
     def auto(self, lark: Lark, tools: list[Tool], several: bool) -> str:
         call = lark.rule(" | ".join(self.call(lark, tool) for tool in tools))
         lark.rules.append("PLAIN: /([^{](.|\\n)*)?/")  # an answer that does not open a call
-        return f"{lark.seq('<|python_tag|>')}? {call} | PLAIN"
+        return f"{lark.seq(PYTHON_TAG)}? {call} | PLAIN"
 
     def parser(self) -> Parser:
         return Llama3Parser()
 
 
 class Llama3Parser(Parser):
-    TAG = "<|python_tag|>"
-
     def __init__(self) -> None:
         super().__init__()
         self.state = "start"
@@ -454,10 +458,10 @@ class Llama3Parser(Parser):
         self.pending += text
         out = Parsed()
         if self.state == "start":
-            if self.pending.startswith((self.TAG, "{")):
+            if self.pending.startswith((PYTHON_TAG, "{")):
                 self.state = "calls"
-                self.pending = self.pending.removeprefix(self.TAG)
-            elif final or not self.TAG.startswith(self.pending):
+                self.pending = self.pending.removeprefix(PYTHON_TAG)
+            elif final or not PYTHON_TAG.startswith(self.pending):
                 self.state = "content"
             else:
                 return out
@@ -486,6 +490,7 @@ class Harmony(ToolFormat):
     mentions = ("<|channel|>",)
     markers = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>")
     parallel = False
+    answer_header = ("<|channel|>", "final", "<|message|>")
 
     def call(self, lark: Lark, tool: Tool) -> str:
         header = lark.seq("<|channel|>", f"commentary to=functions.{tool.name} ", "<|constrain|>", "json",
@@ -495,7 +500,7 @@ class Harmony(ToolFormat):
     def auto(self, lark: Lark, tools: list[Tool], several: bool) -> str:
         analysis = lark.rule(f"{lark.seq('<|channel|>', 'analysis', '<|message|>')} {lark.text_until('<|end|>')} "
                              f"{lark.seq('<|start|>', 'assistant')}")
-        final = f"{lark.seq('<|channel|>', 'final', '<|message|>')} TEXT"
+        final = f"{lark.seq(*self.answer_header)} TEXT"
         return f"{analysis}* ({final} | {self.required(lark, tools, several=False)})"
 
     def parser(self) -> Parser:
@@ -630,8 +635,7 @@ class ChatFormat:
     def answer_constraint(self, constraint: Constraint, prompt_tail: str) -> Constraint:
         """A JSON output placed where the format puts the answer: after a reasoning block the prompt
         opened, on harmony's final channel. Other constraints hold the raw output as written."""
-        prefix = self.answer_prefix(prompt_tail) + (("<|channel|>", "final", "<|message|>")
-                                                    if self.tools is HARMONY else ())
+        prefix = self.answer_prefix(prompt_tail) + self.tools.answer_header
         if constraint.schema is None or not prefix:
             return constraint
         lark = Lark(self.special_tokens)
