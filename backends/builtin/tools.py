@@ -15,6 +15,7 @@ from backends.base import InvalidRequest
 if TYPE_CHECKING:
     from backends.builtin.chat_formats import ChatFormat
 
+
 @dataclass(frozen=True)
 class Tool:
     name: str
