@@ -70,5 +70,5 @@ HARMLESS = frozenset({"user", "parallel_tool_calls", "metadata", "store", "servi
 # (backends/builtin/core/sampler.py, structured.py), in OpenAI's and vLLM's spellings.
 BUILTIN = HARMLESS | STRUCTURED | {
     "min_p", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
-    "top_logprobs", "response_format", "tools", "tool_choice", "echo",
+    "top_logprobs", "response_format", "tools", "tool_choice", "echo", "chat_template_kwargs",
 }

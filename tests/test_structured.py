@@ -320,12 +320,13 @@ def test_tool_conversations_through_the_sdk(base_url):
 def test_a_call_begun_under_auto_must_be_a_valid_one(default_model):
     """auto leaves text free, but once the model writes <tool_call> the grammar holds it to a
     known function and its schema (the 135M model rarely chooses to call on its own)."""
+    from backends.builtin.chat_formats import ChatFormat
     from backends.builtin.core.structured import Grammars
     from backends.builtin.tools import ToolUse
 
     tok = default_model.tokenizer
     grammars = Grammars(tok, default_model.config.vocab_size, [2])
-    auto = ToolUse.of({"tools": TOOLS, "tool_choice": "auto"}).constraint
+    auto = ChatFormat.of(tok).tool_constraint(ToolUse.of({"tools": TOOLS, "tool_choice": "auto"}), "")
 
     def accepted(text: str) -> bool:
         return grammars.matcher(auto).state.consume_tokens(tok.encode(text, add_special_tokens=False))
@@ -335,22 +336,6 @@ def test_a_call_begun_under_auto_must_be_a_valid_one(default_model):
     assert accepted("Just text, no call.") and accepted(good)
     assert not accepted('<tool_call>\n{"name": "get_stock", "arguments": {}}')  # no such function
     assert not accepted('<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris","unit":"kelvin"}}')
-
-
-def test_the_parser_holds_back_a_call_split_across_pieces():
-    from backends.builtin.tools import ToolCallParser
-
-    parser = ToolCallParser()
-    pieces = ["Sure", ". <tool", '_call>\n{"name": "get_time", "arguments": {"tz":', ' "Europe/Paris"}}\n</tool_c',
-              "all>"]
-    texts, calls = [], []
-    for i, piece in enumerate(pieces):
-        text, new = parser.feed(piece, final=i == len(pieces) - 1)
-        texts.append(text)
-        calls += new
-    assert "".join(texts) == "Sure. " and texts[1] == ". "  # "<tool" was held back, not streamed
-    assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-        (0, "get_time", {"tz": "Europe/Paris"})]
 
 
 @pytest.mark.slow

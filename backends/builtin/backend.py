@@ -36,18 +36,20 @@ from backends.base import (
     text_only,
 )
 from backends.builtin import logprobs, tools
+from backends.builtin.chat_formats import PROMPT_TAIL_TOKENS, ChatFormat
 from backends.builtin.config import EngineConfig
 from backends.builtin.core.engine import LLMEngine, check_request
 from backends.builtin.core.structured import check
 from backends.builtin.front import EngineFront, EngineProcess, EngineThread
 from backends.builtin.protocol import CoreInfo, LoadAdapter, SamplingParams, UnloadAdapter
-from backends.builtin.tools import ToolCallParser, ToolUse
+from backends.builtin.tools import ToolUse
 from backends.builtin.worker.loader import default_model_path, load_tokenizer, model_dir, model_name
 from backends.constraints import constraint_of
 
 log = logging.getLogger("servegate.builtin")
 
 MAX_N = 16
+REASONING_EFFORTS = ("low", "medium", "high")  # gpt-oss's, which vLLM takes
 TOKENIZER_THREADS = 2  # templating and tokenizing run here, off the event loop; more requests wait their turn
 
 
@@ -56,6 +58,12 @@ class BuiltinBackend(Backend):
 
     EXTRA_FIELDS = fields.BUILTIN
 
+    @property
+    def extra_fields(self) -> frozenset[str]:
+        """`reasoning_effort` where the model's template reads it: a model that does not reason is refused it."""
+        reads_effort = self.chat_format is not None and self.chat_format.reads_reasoning_effort
+        return self.EXTRA_FIELDS | {"reasoning_effort"} if reads_effort else self.EXTRA_FIELDS
+
     def __init__(self, config: EngineConfig | None = None, name: str = "builtin") -> None:
         self.name = name
         self.config = config or EngineConfig()
@@ -63,6 +71,7 @@ class BuiltinBackend(Backend):
         self._front: EngineFront | None = None
         self.info: CoreInfo | None = None
         self.tokenizer = None
+        self.chat_format: ChatFormat | None = None  # the tool and reasoning formats of the model's chat template
         self._texts: logprobs.TokenTexts | None = None  # every token's bytes (logprobs, the longest token)
         self._load_error: BaseException | None = None
         # Prompt ids counted for a quota reservation, kept for the request's generate(): a prompt
@@ -84,6 +93,7 @@ class BuiltinBackend(Backend):
                 front, self.info, self.tokenizer = EngineThread(self.engine), self.engine.core_info(), \
                     self.engine.tokenizer
             self._texts = await asyncio.to_thread(logprobs.TokenTexts, self.tokenizer)
+            self.chat_format = ChatFormat.of(self.tokenizer)
         except BaseException as exc:
             self._load_error = exc
             raise
@@ -128,10 +138,13 @@ class BuiltinBackend(Backend):
         prompt_ids = list(tokenized.ids) if tokenized and tokenized.backend == self.name else await self._off_loop(
             self._prompt_ids, info, request)
         tool_use = ToolUse.of(request.extra)
-        params = self._sampling_params(info, request, len(prompt_ids), tool_use)
+        prompt_tail = self.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]) if request.messages else ""
+        params = self._sampling_params(info, request, len(prompt_ids), tool_use, prompt_tail)
         reasons: list[str | None] = [None] * params.n
         offsets = [0] * params.n  # characters of each choice's text so far (completions' text_offset)
-        parsers = [ToolCallParser() for _ in range(params.n)] if tool_use else None
+        reads_output = request.messages is not None or tool_use is not None
+        parsers = [self.chat_format.parser(tool_use is not None, prompt_tail) if reads_output else None
+                   for _ in range(params.n)]
         echo = self._echo(request, prompt_ids)
         unechoed = set(range(params.n)) if echo else set()
         completion_tokens = cached = 0
@@ -149,11 +162,11 @@ class BuiltinBackend(Backend):
                 extra["logprobs"] = logprobs.completion(self._texts, out.token_ids, out.logprobs,
                                                         offsets[out.index])
                 offsets[out.index] += sum(map(len, extra["logprobs"]["tokens"]))
-            if parsers:
-                parser = parsers[out.index]
-                text, calls = parser.feed(text, final=reason is not None)
-                if calls:
-                    extra["delta"] = {"tool_calls": calls}
+            parser = parsers[out.index]
+            if parser:
+                text, fields = parser.feed(text, final=reason is not None)
+                if fields:
+                    extra["delta"] = fields
                 if reason == "stop" and parser.calls:
                     reason = "tool_calls"
             if reason:
@@ -178,9 +191,10 @@ class BuiltinBackend(Backend):
             return _in_vocabulary(request.prompt_token_ids, info.vocab_size, "prompt")
         if request.prompt is not None:
             return tokenizer.encode(request.prompt)
-        template_speaks_tools = tools.OPEN in (getattr(tokenizer, "chat_template", None) or "")
-        messages, template_fields = tools.render(text_only(request.messages),
-                                                 ToolUse.of(request.extra), template_speaks_tools)
+        request = self.admit_extras(request)  # nothing unchecked reaches the template
+        messages, template_fields = tools.render(text_only(request.messages), ToolUse.of(request.extra),
+                                                 self.chat_format)
+        template_fields |= _template_switches(request.extra)
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
                                                  **template_fields)
@@ -189,7 +203,7 @@ class BuiltinBackend(Backend):
         return tokenizer.encode(text, add_special_tokens=False)  # the template holds any special tokens
 
     def _sampling_params(self, info: CoreInfo, request: GenerateRequest, num_prompt_tokens: int,
-                         tool_use: ToolUse | None) -> SamplingParams:
+                         tool_use: ToolUse | None, prompt_tail: str) -> SamplingParams:
         request = self.admit_extras(request)  # whoever calls the engine directly gets the same refusal
         check_sampling(request)
         if not 1 <= request.n <= MAX_N:
@@ -213,8 +227,27 @@ class BuiltinBackend(Backend):
             frequency_penalty=_number(extra, "frequency_penalty", float, 0.0, -2.0, 2.0),
             repetition_penalty=_number(extra, "repetition_penalty", float, 1.0, 1e-6, 100.0),
             logit_bias=_logit_bias(extra.get("logit_bias"), info.vocab_size),
-            logprobs=_logprobs(request), grammar=_grammar(extra, tool_use),
+            logprobs=_logprobs(request), grammar=self._grammar(request, tool_use, prompt_tail),
+            skip_special_tokens=not (request.messages is not None
+                                     and self.chat_format.keeps_special_tokens(tool_use is not None)),
         )
+
+    def _grammar(self, request: GenerateRequest, tool_use: ToolUse | None, prompt_tail: str):
+        """The output's constraint: the tool choice's grammar in the model's format, or the
+        structured output asked for (a chat's JSON one placed where the format puts the answer)."""
+        constraint = constraint_of(request.extra)
+        if tool_use and constraint:
+            raise InvalidRequest("tools and a structured output cannot constrain one answer together", param="tools")
+        if tool_use:
+            constraint = self.chat_format.tool_constraint(tool_use, prompt_tail)
+        if constraint is None:
+            return None
+        try:
+            check(constraint)
+        except ValueError as exc:
+            raise InvalidRequest(f"{constraint.source}: {exc}", param=constraint.source) from exc
+        return self.chat_format.answer_constraint(constraint, prompt_tail) if request.messages is not None \
+            else constraint
 
     # -- embeddings ---------------------------------------------------------------------
     async def embed(self, request: EmbedRequest) -> Embeddings:
@@ -388,16 +421,14 @@ def _logprobs(request: GenerateRequest) -> int | None:
     return value
 
 
-def _grammar(extra: dict, tool_use: ToolUse | None):
-    """The output's constraint: the tool choice's grammar, or the structured output asked for."""
-    constraint = constraint_of(extra)
-    if tool_use and constraint:
-        raise InvalidRequest("tools and a structured output cannot constrain one answer together", param="tools")
-    if tool_use:
-        constraint = tool_use.constraint
-    if constraint is not None:
-        try:
-            check(constraint)
-        except ValueError as exc:
-            raise InvalidRequest(f"{constraint.source}: {exc}", param=constraint.source) from exc
-    return constraint
+def _template_switches(extra: dict) -> dict:
+    """The template arguments a request sets: its `chat_template_kwargs` (checked by `admit_extras`)
+    and gpt-oss's `reasoning_effort`."""
+    switches = dict(extra.get("chat_template_kwargs") or {})
+    effort = extra.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise InvalidRequest(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                                 param="reasoning_effort")
+        switches["reasoning_effort"] = effort
+    return switches

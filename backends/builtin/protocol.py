@@ -29,6 +29,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
     grammar: Constraint | None = None  # structured output
+    # False where the output's reader needs the markers a tokenizer holds as special tokens (a
+    # family's tool-call and channel markers); vLLM's field of the same name.
+    skip_special_tokens: bool = True
 
     @property
     def greedy(self) -> bool:

@@ -1,32 +1,19 @@
-"""Tool calls for the built-in engine, in the Hermes / Qwen format that ChatML models are trained on:
-
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
-
-The tools reach the model through its chat template where the template speaks that format (it
-mentions `<tool_call>`); otherwise through a system prompt that lists them in `<tools>` and
-asks for that format (Qwen 2.5's own wording), with earlier calls and tool results written back
-the same way. `tool_choice` is enforced with the structured-output machinery: `required` and a
-named function make the output a sequence of calls; `auto` leaves text free until the model
-writes `<tool_call>`, after which the call must be one of the functions with arguments that
-match its schema (a lazy trigger). So arguments always parse against the function's schema.
-`ToolCallParser` turns the text back into OpenAI `tool_calls`, holding back text that may be the
-start of a call.
+"""The tools a chat request offers and how they reach the model: through its chat template where the
+template speaks a tool format (`chat_formats`), else through a system prompt that lists them in
+`<tools>` and asks for the Hermes format (Qwen 2.5's own wording), with earlier calls and tool
+results written back the same way.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from backends.base import InvalidRequest
-from backends.constraints import Constraint
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-# Compact arguments (a small model left free to indent loops on whitespace).
-_ARGUMENTS = {"whitespace_flexible": False}
+if TYPE_CHECKING:
+    from backends.builtin.chat_formats import ChatFormat
 
 
 @dataclass(frozen=True)
@@ -74,25 +61,6 @@ class ToolUse:
                                  "\"function\": {\"name\": ...}}", param="tool_choice")
         return cls(tools, choice, extra.get("parallel_tool_calls") is not False)
 
-    @property
-    def constraint(self) -> Constraint:
-        """The grammar that enforces the choice: calls only (required, named), or free text in
-        which a call, once begun, must be a valid one (auto)."""
-        if self.choice == "auto":
-            tags = " | ".join(f"call_{i}" for i in range(len(self.tools)))
-            repeat = "*" if self.parallel else "?"
-            lines = ["%llguidance {}", f"start: ({tags}){repeat} tail", "tail: TEXT", "TEXT: /(.|\\n)*/"]
-            for i, tool in enumerate(self.tools):
-                lines.append(f"call_{i}_trigger[lazy]: TEXT {json.dumps(OPEN)}")
-                lines.append(f"call_{i}: call_{i}_trigger {_call(tool, opened=True)}")
-        else:
-            tools = [tool for tool in self.tools if self.choice in ("required", tool.name)]
-            calls = " | ".join(f"call_{i}" for i in range(len(tools)))
-            lines = ["%llguidance {}", "start: call (\"\\n\" call)*" if self.parallel and self.choice == "required"
-                     else "start: call", f"call: {calls}"]
-            lines += [f"call_{i}: {_call(tool)}" for i, tool in enumerate(tools)]
-        return Constraint("grammar", "\n".join(lines) + "\n", "tools")
-
     def system_prompt(self) -> str:
         """Qwen 2.5's tool instructions, for a template that does not render tools itself."""
         listed = "\n".join(json.dumps({"type": "function", "function": {
@@ -116,19 +84,11 @@ def _tool(item, index: int) -> Tool:
     return Tool(function["name"], str(function.get("description") or ""), parameters)
 
 
-def _call(tool: Tool, opened: bool = False) -> str:
-    """One call of `tool` in Lark: fixed text around the arguments' JSON schema."""
-    begin = ("" if opened else OPEN) + '\n{"name": ' + json.dumps(tool.name) + ', "arguments": '
-    end = "}\n" + CLOSE
-    schema = {**tool.parameters, "x-guidance": _ARGUMENTS}
-    return f"{json.dumps(begin)} %json {json.dumps(schema)} {json.dumps(end)}"
-
-
-def render(messages: list[dict], tool_use: ToolUse | None, template_speaks_tools: bool) -> tuple[list[dict], dict]:
+def render(messages: list[dict], tool_use: ToolUse | None, chat_format: ChatFormat) -> tuple[list[dict], dict]:
     """The messages and template arguments that put tools, earlier calls and their results before
     the model: the template's own way where it has one, else the system-prompt convention."""
-    if template_speaks_tools:
-        native = [_with_argument_objects(m) for m in messages]
+    if chat_format.native_tools:
+        native = [chat_format.tools.history(_for_template(m)) for m in messages]
         return native, ({"tools": [{"type": "function", "function": {
             "name": t.name, "description": t.description, "parameters": t.parameters}} for t in tool_use.tools]}
             if tool_use else {})
@@ -139,9 +99,7 @@ def render(messages: list[dict], tool_use: ToolUse | None, template_speaks_tools
             rendered.append({"role": "user", "content": f"<tool_response>\n{message.get('content') or ''}\n"
                                                         "</tool_response>"})
         elif role == "assistant" and message.get("tool_calls"):
-            functions = [call["function"] for call in _earlier_calls(message)]
-            calls = "\n".join(f"{OPEN}\n{json.dumps({'name': f['name'], 'arguments': f['arguments']})}\n{CLOSE}"
-                               for f in functions)
+            calls = "\n".join(chat_format.tools.written(call["function"]) for call in _earlier_calls(message))
             rendered.append({"role": "assistant", "content": "\n".join(filter(None, [message.get("content"), calls]))})
         else:
             rendered.append({k: v for k, v in message.items() if k in ("role", "content")})
@@ -173,62 +131,8 @@ def _arguments(function: dict):
         raise InvalidRequest("an assistant tool call's arguments are not JSON", param="messages") from None
 
 
-def _with_argument_objects(message: dict) -> dict:
-    """HF templates read a call's arguments as an object."""
+def _for_template(message: dict) -> dict:
+    """A message as HF templates read it: text content (a call's message may have none) and each
+    call's arguments as an object."""
+    message = {**message, "content": message.get("content") or ""}
     return {**message, "tool_calls": _earlier_calls(message)} if message.get("tool_calls") else message
-
-
-class ToolCallParser:
-    """Streamed text in, plain text and completed OpenAI tool calls out."""
-
-    def __init__(self) -> None:
-        self.pending = ""  # text that may be (the start of) a call
-        self.calls = 0
-
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
-        self.pending += text
-        out, calls = [], []
-        while True:
-            start = self.pending.find(OPEN)
-            if start < 0:
-                keep = 0 if final else _partial_prefix(self.pending, OPEN)
-                out.append(self.pending[:len(self.pending) - keep])
-                self.pending = self.pending[len(self.pending) - keep:]
-                break
-            out.append(self.pending[:start])
-            end = self.pending.find(CLOSE, start)
-            if end < 0:
-                self.pending = self.pending[start:]
-                if final:  # an unfinished call (max_tokens): left as text
-                    out.append(self.pending)
-                    self.pending = ""
-                break
-            body = self.pending[start + len(OPEN):end]
-            self.pending = self.pending[end + len(CLOSE):]
-            call = _parsed(body)
-            if call is None:
-                out.append(f"{OPEN}{body}{CLOSE}")
-                continue
-            calls.append({"index": self.calls, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                          "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}})
-            self.calls += 1
-        text = "".join(out)
-        return ("" if self.calls and not text.strip() else text), calls  # no blank content beside calls
-
-
-def _parsed(body: str) -> dict | None:
-    try:
-        call = json.loads(body)
-    except ValueError:
-        return None
-    if isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments"), dict):
-        return call
-    return None
-
-
-def _partial_prefix(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that begins `marker`."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:size]):
-            return size
-    return 0

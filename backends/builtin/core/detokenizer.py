@@ -2,7 +2,9 @@
 
 Text is released only when it is final: bytes of a character split across tokens wait for
 the rest (no U+FFFD mid-stream), and when stop strings are set, the last `len(stop) - 1`
-characters wait until they cannot begin a stop string. The stop string itself is never sent.
+characters wait until they cannot begin a stop string. The stop string itself is never sent, nor
+the token that ended the sequence as a stop token (an end of sequence or a stop token id), as in
+vLLM. Special tokens are skipped, unless the request keeps them.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ CONTEXT_TOKENS = 5  # prompt tokens decoded along, so the first word keeps its l
 
 
 class Detokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (),
+                 skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.context = prompt_ids[-CONTEXT_TOKENS:]
         self.tokens = list(self.context)
         self.prefix_offset, self.read_offset = 0, len(self.tokens)
@@ -23,14 +27,16 @@ class Detokenizer:
 
     def fresh(self) -> Detokenizer:
         """One at the prompt's end, for a sibling choice forked before its first token."""
-        return Detokenizer(self.tokenizer, self.context, self.stop)
+        return Detokenizer(self.tokenizer, self.context, self.stop, self.skip_special_tokens)
 
     def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return self.tokenizer.decode(tokens, skip_special_tokens=self.skip_special_tokens)
 
-    def add(self, token_id: int, final: bool = False) -> tuple[str, bool]:
-        """Feed one token; returns (text to release now, whether a stop string was hit)."""
-        self.tokens.append(token_id)
+    def add(self, token_id: int, final: bool = False, stop_token: bool = False) -> tuple[str, bool]:
+        """Feed one token (`stop_token`: it ends the sequence, and is not text); returns (text to
+        release now, whether a stop string was hit)."""
+        if not stop_token:
+            self.tokens.append(token_id)
         prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
         full = self._decode(self.tokens[self.prefix_offset :])
         if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):

@@ -82,7 +82,7 @@ class LLMEngine:
         if adapter is not None and adapter not in self.adapters:
             raise ValueError(f"the LoRA adapter {adapter!r} is not loaded")
         matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
-        detokenizer = Detokenizer(self.tokenizer, list(prompt_ids), tuple(stop))
+        detokenizer = Detokenizer(self.tokenizer, list(prompt_ids), tuple(stop), params.skip_special_tokens)
         self.scheduler.add(Sequence(list(prompt_ids), params, request_id, matcher=matcher, detokenizer=detokenizer,
                                     cache_salt=cache_salt, adapter_id=self.adapters[adapter][0] if adapter else 0))
 

@@ -214,11 +214,12 @@ class Scheduler:
         params = seq.params
         reason = None
         grammar_done = seq.matcher is not None and seq.matcher.accept(token)  # every token advances it
-        if grammar_done or (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        stop_token = (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
+        if grammar_done or stop_token:
             reason = "stop"
         elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
             reason = "length"
-        text, stopped = seq.detokenizer.add(token, final=reason is not None)
+        text, stopped = seq.detokenizer.add(token, final=reason is not None, stop_token=stop_token)
         if stopped:
             reason = "stop"
         if reason:
