@@ -27,6 +27,7 @@ from backends.builtin.tools import ToolUse
 from backends.constraints import Constraint
 
 from .conftest import ADMIN_KEY, running
+from .families import build
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 FAMILIES = {  # family -> its chat template, and the format the engine must read in it
@@ -77,14 +78,19 @@ def with_template(model_dir: Path, template: Path, into: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def family_models(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
-    """Each family's model directory, with its chat template. All run the tiny random Llama, whose
+def family_models(default_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """Each family's own tiny random model (tests/families.py) with its chat template. Their
     tokenizer (SmolLM2's) has none of the families' special tokens (`<|channel|>`, `[TOOL_CALLS]`,
     `<|python_tag|>`): their markers are text there, in pieces, which the grammars constrain and
-    the parsers read the same way. Give a family its own tiny random model's directory here."""
-    bases = {family: tiny_model_dir for family in FAMILIES}
-    return {family: with_template(base, TEMPLATES / FAMILIES[family][0], tmp_path_factory.mktemp(family))
-            for family, base in bases.items()}
+    the parsers read the same way."""
+    architectures = {"qwen3": "qwen3", "llama3.1": "llama", "mistral-nemo": "mistral", "mistral-small-3.2": "mistral",
+                     "gpt-oss": "gpt_oss"}
+    bases = {}
+    for architecture in set(architectures.values()):
+        bases[architecture] = tmp_path_factory.mktemp(architecture)
+        build(architecture, bases[architecture], default_model_dir)
+    return {family: with_template(bases[architectures[family]], TEMPLATES / FAMILIES[family][0],
+                                  tmp_path_factory.mktemp(family)) for family in FAMILIES}
 
 
 @contextlib.asynccontextmanager
