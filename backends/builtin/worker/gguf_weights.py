@@ -86,6 +86,12 @@ def _phi3_rotary(config: dict, meta: Callable) -> dict:
     return {"partial_rotary_factor": (meta("rope.dimension_count") or config["head_dim"]) / config["head_dim"]}
 
 
+def _gpt_oss_yarn(config: dict, meta: Callable) -> dict:
+    """gpt-oss's YaRN keeps its correction range unrounded (`truncate: false` in its Hugging Face config);
+    the GGUF has no key for it."""
+    return {"rope_scaling": {**config["rope_scaling"], "truncate": False}} if "rope_scaling" in config else {}
+
+
 @dataclass(frozen=True)
 class Architecture:
     model_type: str  # Hugging Face's
@@ -133,7 +139,8 @@ MOE_METADATA = {"expert_count": "num_experts", "expert_used_count": "num_experts
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture(
         "llama", "LlamaForCausalLM",
-        # Mistral 7B is written as llama; a sliding window only where the writer added one.
+        # Mistral 7B is written as llama, its sliding window dropped by llama.cpp's converter: one only where
+        # a file has it.
         {"rope.dimension_count": "head_dim", "attention.sliding_window": "sliding_window"},
         LLAMA_BLOCK, {"hidden_act": "silu"}, permuted_qk=True),
     "qwen2": Architecture("qwen2", "Qwen2ForCausalLM", {}, LLAMA_BLOCK, {"hidden_act": "silu"}),
@@ -148,8 +155,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         "gemma2", "Gemma2ForCausalLM",
         {"attn_logit_softcapping": "attn_logit_softcapping", "final_logit_softcapping": "final_logit_softcapping",
          "attention.sliding_window": "sliding_window"},
-        GEMMA_BLOCK, {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
-                      "sliding_window": 4096},
+        GEMMA_BLOCK, {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": 4096},
         norm_shift=1.0, swa_pattern=2, derive=_gemma_query_scale(layers_27b=46)),
     "gemma3": Architecture(
         "gemma3_text", "Gemma3ForCausalLM",
@@ -162,8 +168,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         {"attention.sliding_window": "sliding_window",
          "rope.scaling.original_context_length": "original_max_position_embeddings"},
         # Phi-3 keeps Q, K and V in one projection, and gate and up in one (llama.cpp's ffn_up, [2I, H]).
-        {**_modules(attn_norm="input_layernorm", attn_qkv="self_attn.qkv_proj", attn_output="self_attn.o_proj",
-                    ffn_norm="post_attention_layernorm", ffn_up="mlp.gate_up_proj", ffn_down="mlp.down_proj")},
+        _modules(attn_norm="input_layernorm", attn_qkv="self_attn.qkv_proj", attn_output="self_attn.o_proj",
+                 ffn_norm="post_attention_layernorm", ffn_up="mlp.gate_up_proj", ffn_down="mlp.down_proj"),
         {"hidden_act": "silu"}, derive=_phi3_rotary),
     "gpt-oss": Architecture(
         "gpt_oss", "GptOssForCausalLM",
@@ -172,8 +178,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         {**ATTENTION, **_modules(post_attention_norm="post_attention_layernorm", ffn_gate_inp="mlp.router"),
          "attn_sinks.weight": "self_attn.sinks"},
         # The SwiGLU clamp is hard-coded in llama.cpp (llama-graph.cpp, LLM_FFN_SWIGLU_OAI_MOE).
-        {"hidden_act": "silu", "attention_bias": True, "swiglu_limit": 7.0},
-        swa_pattern=2, experts=_gpt_oss_experts),
+        {"hidden_act": "silu", "swiglu_limit": 7.0},
+        swa_pattern=2, experts=_gpt_oss_experts, derive=_gpt_oss_yarn),
 }
 SUPPORTED = frozenset(ARCHITECTURES)
 GGUF_TO_HF_ARCH = {arch: spec.model_type for arch, spec in ARCHITECTURES.items()}
@@ -203,7 +209,7 @@ def read_gguf(path: str | Path, dequantize: bool = True) -> tuple[dict, dict[str
     for name, tensor in tensors.items():
         if name in ROPE_TENSORS:
             continue
-        if "_exps." in name:
+        if "_exps." in name and spec.experts:
             _, layer, part = name.split(".", 2)
             experts[int(layer)][part] = _dequantized(tensor)
             continue
@@ -237,6 +243,7 @@ def _config(reader: GGUFReader, arch: str, spec: Architecture, tensors: dict) ->
     config.setdefault("rope_theta", 10000.0)
     config["vocab_size"] = int(tensors["token_embd.weight"].shape[-1])
     config["tie_word_embeddings"] = "output.weight" not in tensors
+    config["attention_bias"] = "blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors
     config["bos_token_id"] = gguf_field(reader, "tokenizer.ggml.bos_token_id")
     config["eos_token_id"] = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     if "sliding_window" in config and not config["sliding_window"]:
