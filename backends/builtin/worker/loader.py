@@ -2,8 +2,8 @@
 
 Two sources: a Hugging Face directory (config.json + *.safetensors + tokenizer files), and a
 GGUF file. A GGUF file is converted once into such a directory under the cache
-(dequantized with the `gguf` package, Q/K rows un-permuted back to Hugging Face's layout),
-so every later start just memory-maps safetensors. Nothing is ever downloaded.
+(read back into Hugging Face's config and parameters by `gguf_weights`, dequantized), so every
+later start just memory-maps safetensors. Nothing is ever downloaded.
 """
 
 from __future__ import annotations
@@ -16,17 +16,16 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
 from backends.builtin.worker.gguf_file import gguf_field
+from backends.builtin.worker.gguf_weights import GGUF_TO_HF_ARCH, read_gguf
 from backends.builtin.worker.models import SUPPORTED_ARCHITECTURES, model_config
 from backends.builtin.worker.models.config import ModelConfig
 from backends.default_model import default_model_path
 
-CONVERTER_VERSION = "2"  # bump when the conversion changes, to invalidate caches
-GGUF_ARCHITECTURES = {"llama"}  # GGUF `general.architecture` values read
+CONVERTER_VERSION = "3"  # bump when the conversion changes, to invalidate caches
 # transformers resolves its names lazily, and two threads resolving them at once (two engines
 # starting together) can see a half-imported module: one import at a time.
 _TRANSFORMERS = threading.Lock()
@@ -69,8 +68,8 @@ def check_servable(path: str | os.PathLike | None = None) -> None:
         raise FileNotFoundError(f"model not found: {source} (give a GGUF file or a Hugging Face directory)")
     if source.suffix == ".gguf":
         architecture = gguf_field(GGUFReader(source), "general.architecture")
-        if architecture not in GGUF_ARCHITECTURES:
-            raise unsupported(source, architecture, GGUF_ARCHITECTURES)
+        if architecture not in GGUF_TO_HF_ARCH:
+            raise unsupported(source, architecture, GGUF_TO_HF_ARCH)
     elif (source / "config.json").is_file():
         architecture = json.loads((source / "config.json").read_text()).get("model_type")
         if architecture not in SUPPORTED_ARCHITECTURES:
@@ -145,75 +144,3 @@ def _write_tokenizer(path: Path, directory: Path, max_length: int) -> None:
         gguf_tokenizer.write(reader, directory, max_length)
     else:
         load_tokenizer(path.parent, gguf_file=path.name).save_pretrained(directory)
-
-
-def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Hugging Face config dict and fp32 state dict of a Llama-architecture GGUF file."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    reader = GGUFReader(path)
-    arch = gguf_field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise unsupported(path, arch, GGUF_ARCHITECTURES)
-
-    def meta(key, default=None):
-        return gguf_field(reader, f"{arch}.{key}", default)
-
-    heads, kv_heads = meta("attention.head_count"), meta("attention.head_count_kv") or meta("attention.head_count")
-    hidden = meta("embedding_length")
-    tensors = {t.name: t for t in reader.tensors}
-    vocab = meta("vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens"))
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": vocab, "hidden_size": hidden,
-        "intermediate_size": meta("feed_forward_length"), "num_hidden_layers": meta("block_count"),
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-        "head_dim": meta("rope.dimension_count") or hidden // heads,
-        "max_position_embeddings": meta("context_length"),
-        "rms_norm_eps": meta("attention.layer_norm_rms_epsilon"),
-        "rope_theta": meta("rope.freq_base", 10000.0),
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": gguf_field(reader, "tokenizer.ggml.eos_token_id"),
-    }
-    if meta("rope.scaling.type") == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
-    weights = {}
-    for name, tensor in tensors.items():
-        array = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape.tolist())))
-        weight = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))  # copies read-only memmaps
-        if name == "rope_freqs.weight":  # llama3 scaling, stored as per-frequency divisors
-            config["rope_freq_factors"] = weight.tolist()
-            continue
-        if name.endswith("attn_q.weight"):
-            weight = unpermute(weight, heads)
-        elif name.endswith("attn_k.weight"):
-            weight = unpermute(weight, kv_heads)
-        weights[hf_name(name)] = weight
-    return config, weights
-
-
-def unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's interleaved-RoPE row order for Q/K (Hugging Face uses rotate-half)."""
-    rows = weight.shape[0]
-    return weight.reshape(num_heads, rows // num_heads // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
-
-
-_GGUF_TO_HF = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-
-
-def hf_name(name: str) -> str:
-    if name.startswith("blk."):
-        _, layer, part, kind = name.split(".")
-        return f"model.layers.{layer}.{_GGUF_TO_HF[part]}.{kind}"
-    return {
-        "token_embd.weight": "model.embed_tokens.weight",
-        "output_norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight",
-    }[name]

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from backends.builtin.worker.gguf_file import gguf_field
-from backends.builtin.worker.loader import hf_name, unpermute
+from backends.builtin.worker.gguf_weights import hf_name, unpermute
 from backends.builtin.worker.models import PACKED
 from backends.builtin.worker.models.config import ModelConfig
 
