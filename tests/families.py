@@ -10,8 +10,11 @@ from pathlib import Path
 import torch
 
 WINDOW = 8  # shorter than every test prompt: the sliding layers' masks matter
-SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.2,
+# Untied embeddings for Gemma: its embeddings scaled by sqrt(hidden) would make a tied random model
+# repeat its last token whatever its layers compute.
+# head_dim 64: one the native attention kernels (and vLLM's CPU attention) compute
+SMALL = dict(vocab_size=49152, hidden_size=256, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, initializer_range=0.2,
              tie_word_embeddings=False, eos_token_id=2, bos_token_id=1)
 
 
@@ -27,11 +30,11 @@ def family_configs():
         "qwen2": tf.Qwen2Config(**{**SMALL, "tie_word_embeddings": True}),
         "qwen3": tf.Qwen3Config(**SMALL),
         "qwen3_moe": tf.Qwen3MoeConfig(**SMALL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                                       norm_topk_prob=True, mlp_only_layers=[1]),
-        "gemma2": tf.Gemma2Config(**{**SMALL, "tie_word_embeddings": True}, sliding_window=WINDOW,
-                                  query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
-        "gemma3_text": tf.Gemma3TextConfig(**{**SMALL, "tie_word_embeddings": True}, sliding_window=WINDOW,
-                                           query_pre_attn_scalar=24,
+                                       norm_topk_prob=True),
+        "gemma2": tf.Gemma2Config(**SMALL, sliding_window=WINDOW,
+                                  query_pre_attn_scalar=64, attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+        "gemma3_text": tf.Gemma3TextConfig(**SMALL, sliding_window=WINDOW,
+                                           query_pre_attn_scalar=64,
                                            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                                            rope_parameters={
                                                "full_attention": {"rope_type": "linear", "factor": 4.0,
@@ -39,8 +42,8 @@ def family_configs():
                                                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}),
         "phi3": tf.Phi3Config(**{**SMALL, "max_position_embeddings": 256}, original_max_position_embeddings=64,
                               partial_rotary_factor=0.75, rope_scaling={
-                                  "rope_type": "longrope", "short_factor": [1.0 + i / 10 for i in range(6)],
-                                  "long_factor": [2.0 + i for i in range(6)]}),
+                                  "rope_type": "longrope", "short_factor": [1.0 + i / 40 for i in range(24)],
+                                  "long_factor": [2.0 + i / 4 for i in range(24)]}),
         "gpt_oss": tf.GptOssConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
                                    rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                                                     "beta_slow": 1.0, "truncate": False,

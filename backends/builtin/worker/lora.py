@@ -105,6 +105,7 @@ def _read_gguf(path: Path, config: ModelConfig) -> dict[str, tuple[torch.Tensor,
     if gguf_field(reader, "general.type") != "adapter" or gguf_field(reader, "adapter.type") != "lora":
         raise ValueError(f"{path} is not a GGUF LoRA adapter (general.type adapter, adapter.type lora)")
     alpha = gguf_field(reader, "adapter.lora.alpha", 0.0)
+    architecture = gguf_field(reader, "general.architecture", "llama")
     tensors = {}
     for tensor in reader.tensors:
         array = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape.tolist())))
@@ -118,12 +119,12 @@ def _read_gguf(path: Path, config: ModelConfig) -> dict[str, tuple[torch.Tensor,
         if b is None:
             raise ValueError(f"{path}: {base} has lora_a but no lora_b")
         try:
-            module = hf_name(base).removesuffix(".weight")
+            module = hf_name(base, architecture).removesuffix(".weight")
         except (KeyError, ValueError):
             raise ValueError(f"{path}: target {base} is not supported") from None
         if module.rsplit(".", 1)[-1] not in TARGETS:
             raise ValueError(f"{path}: target {module} is not supported (supported: {', '.join(TARGETS)})")
-        if base.endswith(("attn_q.weight", "attn_k.weight")):
+        if architecture == "llama" and base.endswith(("attn_q.weight", "attn_k.weight")):
             heads = config.num_attention_heads if "attn_q" in base else config.num_key_value_heads
             b = unpermute(b, heads)
         factors[module] = (a, b * (alpha / a.shape[0] if alpha else 1.0))
@@ -215,6 +216,9 @@ class LoRASlots:
         self.loads = 0  # adapters copied into a slot
         self.token_slots: torch.Tensor | None = None  # this step's slot per token, None: no adapter in it
         self.layers: list[LoRALinear] = []
+        if config.num_experts:
+            raise ValueError(f"LoRA adapters are served on dense models only: {config.architecture} has "
+                             "mixture-of-experts layers")
         for i, layer in enumerate(model.model.layers):
             for attr, parts in LAYER_MODULES.items():
                 parent_name, name = attr.split(".")

@@ -10,6 +10,7 @@ from backends.builtin.worker.models.rope import Rope
 
 
 def config(cfg: dict) -> ModelConfig:
+    cfg = {**cfg, "head_dim": None}  # Phi-3's heads are hidden_size / heads wide, whatever else the file says
     model = common(cfg, layer_windows=windows(cfg, layer_types(cfg, lambda i: SLIDING)))
     rope = model.rope
     if rope.kind == "longrope":  # transformers derives what the file leaves out from the contexts
