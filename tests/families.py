@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 WINDOW = 8  # shorter than every test prompt: the sliding layers' masks matter
-# Untied embeddings for Gemma: its embeddings scaled by sqrt(hidden) would make a tied random model
-# repeat its last token whatever its layers compute.
+# Gemma scales its embeddings by sqrt(hidden): random ones are drawn that much smaller, else they
+# swamp what the layers add and a tied model repeats its last token whatever its layers compute.
 # head_dim 64: one the native attention kernels (and vLLM's CPU attention) compute
 SMALL = dict(vocab_size=49152, hidden_size=256, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, initializer_range=0.2,
@@ -31,7 +31,7 @@ def family_configs():
         "qwen3": tf.Qwen3Config(**SMALL),
         "qwen3_moe": tf.Qwen3MoeConfig(**SMALL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                        norm_topk_prob=True),
-        "gemma2": tf.Gemma2Config(**SMALL, sliding_window=WINDOW,
+        "gemma2": tf.Gemma2Config(**{**SMALL, "tie_word_embeddings": True}, sliding_window=WINDOW,  # as vLLM's
                                   query_pre_attn_scalar=64, attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
         "gemma3_text": tf.Gemma3TextConfig(**SMALL, sliding_window=WINDOW,
                                            query_pre_attn_scalar=64,
@@ -64,6 +64,8 @@ def build(model_type: str, directory: Path, tokenizer_dir: Path):
             if name.endswith("bias") or "norm" in name or name.endswith("sinks"):
                 param.normal_(0.0, 0.3).add_(1.0 if name.endswith("norm.weight") and "gemma" not in model_type
                                              else 0.0)
+        if model_type.startswith("gemma"):
+            model.model.embed_tokens.weight /= config.hidden_size**0.5
     model.save_pretrained(directory)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(directory)
     return model
