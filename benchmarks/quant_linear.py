@@ -1,0 +1,86 @@
+"""GGUF-quantized Linear layers (`QuantLinear`, `csrc/quant_linear.cpp`) against the float32 and bf16
+GEMMs the engine runs otherwise (oneDNN's prepacked float32, the native bf16 one where AVX512-BF16
+serves it, else oneDNN's), on the default model's Linear shapes, at a decode step's one row.
+
+Each layer shape has 30 weights of its own (the LM head one), called in turn, so that they stream
+from memory as in a decode step. Prints ms per call (best of five rounds) and, for the quantized
+types, the GB/s of weight bytes that makes; K-quants need K % 256 == 0 (not the hidden size 576).
+
+Usage: python benchmarks/quant_linear.py [ROWS]   (default: 1)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from backends.builtin.worker import kernels
+from backends.builtin.worker.model_runner import PackedLinear, PairedLinear
+from backends.builtin.worker.quant import QuantizedWeight, QuantLinear
+
+SHAPES = [(576, 576, 30), (1536, 576, 30), (576, 1536, 30), (49152, 576, 1)]  # (N, K, weights)
+TYPES = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+         GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K]
+
+
+def best_ms(modules, x: torch.Tensor) -> float:
+    best = float("inf")
+    for _ in range(5):
+        for m in modules:
+            m(x)
+        start = time.perf_counter()
+        for m in modules:
+            m(x)
+        best = min(best, (time.perf_counter() - start) / len(modules))
+    return best * 1000
+
+
+def quantized(weight: torch.Tensor, qtype: GGMLQuantizationType) -> QuantizedWeight:
+    """gguf's quantization where it has one; K-quants: random blocks with small fp16 scales."""
+    if qtype not in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K):
+        return QuantizedWeight.from_float(weight, qtype)
+    n, k = weight.shape
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    raw = torch.randint(0, 256, (n, k // block, block_bytes), dtype=torch.uint8)
+    scale = torch.tensor([1e-3], dtype=torch.float16).view(torch.uint8)
+    for offset in ((0, 2) if qtype == GGMLQuantizationType.Q4_K else (208,)):
+        raw[..., offset:offset + 2] = scale
+    return QuantizedWeight(qtype, (n, k), raw.reshape(n, -1))
+
+
+@torch.inference_mode()
+def main() -> None:
+    rows = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    ops = kernels.load()
+    if ops is None:
+        sys.exit(f"the native kernels did not build: {kernels._failed}")
+    gemm = kernels.bf16_linear(torch.device("cpu"), torch.bfloat16)
+    print(f"quant_linear: {ops.quant_linear_isa()}; bf16: {'native' if gemm else 'oneDNN'}; "
+          f"{torch.get_num_threads()} threads; rows {rows}")
+    print(f"{'N x K':>12} {'f32':>7} {'bf16':>7}" + "".join(f" {t.name:>13}" for t in TYPES))
+    torch.manual_seed(0)
+    for n, k, count in SHAPES:
+        linear = torch.nn.Linear(k, n, bias=False)
+        x = torch.randn(rows, k)
+        f32 = best_ms([PackedLinear(linear) for _ in range(count)], x)
+        half = linear.bfloat16()
+        bf16 = best_ms([PairedLinear(half, gemm) if gemm else PackedLinear(half) for _ in range(count)],
+                       x.bfloat16())
+        cells = []
+        for qtype in TYPES:
+            if k % GGML_QUANT_SIZES[qtype][0]:
+                cells.append(f"{'-':>13}")
+                continue
+            weight = quantized(linear.weight.float(), qtype)
+            layers = [QuantLinear(QuantizedWeight(qtype, weight.shape, weight.raw.clone())) for _ in range(count)]
+            ms = best_ms(layers, x)
+            cells.append(f" {ms:6.3f} {weight.bytes / ms / 1e6:3.0f}GB/s")
+        print(f"{n:>6} x {k:<4} {f32:7.3f} {bf16:7.3f}" + "".join(cells))
+    print("ms per call; GB/s: quantized weight bytes read per second")
+
+
+if __name__ == "__main__":
+    main()
