@@ -9,8 +9,11 @@
 // offsets (Q4_0's -8, Q4_1's min, Q4_K's mins, Q6_K's -32) come from x's per-block sums, once per
 // block rather than per element. With AVX-512 two 32-element blocks share a register, and float
 // sums stay in 16 lanes until a weight row ends. Each weight row is decoded once for up to 8 rows of
-// x, and a tile of weight rows stays in cache while every group of 8 rows passes over it, so a
-// prompt's rows run the same integer kernels at a fraction of the decoding cost per row.
+// x, and a tile of weight rows stays in cache while every group of 8 rows passes over it.
+//
+// A prompt's many rows of bf16 x, where AVX512-BF16 is built, take another path: the weight is
+// dequantized to bf16 a tile of rows at a time and multiplied by oneDNN's GEMM, which at 16 rows and
+// more outruns the integer kernels (each of their products pays for its block's float scale).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -28,7 +31,7 @@
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define QUANT_AVX2 1
 #endif
-#if defined(QUANT_AVX512) || defined(QUANT_AVX2)
+#if defined(QUANT_AVX512) || defined(QUANT_AVX2) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -136,6 +139,80 @@ void dequantize_block(int64_t type, const uint8_t* b, float* y) {
   }
 }
 
+#if defined(QUANT_AVX512)
+inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
+#if defined(__AVX512BF16__)
+inline void store16(at::BFloat16* y, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+#endif
+
+inline __m512 unsigned16(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)); }
+
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+// A row of K values, 16 at a time: scale * q + offset per run of 16 that share them.
+template <typename Out>
+void dequantize_row(int64_t type, const uint8_t* w, int64_t K, Out* y) {
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  auto put = [&](Out* at, float scale, __m128i q, float offset) {
+    store16(at, _mm512_fmadd_ps(_mm512_set1_ps(scale), unsigned16(q), _mm512_set1_ps(offset)));
+  };
+  switch (type) {
+    case kQ8_0:
+      for (int64_t b = 0; b < K / 32; ++b, w += 34, y += 32)
+        for (int h = 0; h < 2; ++h)
+          store16(y + 16 * h, _mm512_mul_ps(_mm512_set1_ps(fp16(w)),
+                                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(w + 2 + 16 * h)))));
+      break;
+    case kQ4_0:
+    case kQ4_1: {
+      const int64_t bytes = type == kQ4_1 ? 20 : 18;
+      for (int64_t b = 0; b < K / 32; ++b, w += bytes, y += 32) {
+        const float d = fp16(w), m = type == kQ4_1 ? fp16(w + 2) : -8.0f * d;
+        const __m128i q = load16(w + bytes - 16);
+        put(y, d, _mm_and_si128(q, low4), m);
+        put(y + 16, d, _mm_and_si128(_mm_srli_epi16(q, 4), low4), m);
+      }
+      break;
+    }
+    case kQ4_K:
+      for (int64_t sb = 0; sb < K / 256; ++sb, w += 144, y += 256) {
+        const float d = fp16(w), dmin = fp16(w + 2);
+        uint32_t packed[4];
+        k_scales(w + 4, packed);
+        const uint8_t* scales = reinterpret_cast<const uint8_t*>(packed);
+        for (int j = 0; j < 8; ++j)
+          for (int i = 0; i < 2; ++i) {
+            const __m128i q = load16(w + 16 + 32 * (j / 2) + 16 * i);
+            put(y + 32 * j + 16 * i, d * scales[j], _mm_and_si128(j % 2 ? _mm_srli_epi16(q, 4) : q, low4),
+                -dmin * scales[8 + j]);
+          }
+      }
+      break;
+    case kQ6_K:
+      for (int64_t sb = 0; sb < K / 256; ++sb, w += 210, y += 256) {
+        const float d = fp16(w + 208);
+        for (int g = 0; g < 16; ++g) {  // elements 16 g...: see q6_k_value
+          const int h = g / 8, s = g % 8 / 2, l = g % 2 * 16;
+          const __m128i ql = load16(w + 64 * h + 32 * (s & 1) + l);
+          const __m128i low = _mm_and_si128(s < 2 ? ql : _mm_srli_epi16(ql, 4), low4);
+          const __m128i high = _mm_and_si128(_mm_srl_epi16(load16(w + 128 + 32 * h + l), _mm_cvtsi32_si128(2 * s)),
+                                             _mm_set1_epi8(3));
+          const float scale = d * static_cast<int8_t>(w[192 + g]);
+          put(y + 16 * g, scale, _mm_or_si128(low, _mm_slli_epi16(high, 4)), -32.0f * scale);
+        }
+      }
+      break;
+  }
+}
+#else
+void dequantize_row(int64_t type, const uint8_t* w, int64_t K, float* y) {
+  const Layout layout = layout_of(type);
+  for (int64_t b = 0; b < K / layout.elements; ++b) dequantize_block(type, w + b * layout.bytes, y + b * layout.elements);
+}
+#endif
+
 // x's rows quantized: int8 values with a float scale per block (32 elements, or 256 for the
 // K-quants) and the blocks' sums, in the forms the kernels below take.
 struct QuantizedRows {
@@ -145,33 +222,44 @@ struct QuantizedRows {
   std::vector<float> sums;     // 32-element types: [row][block], scale * (sum of the block's values)
   std::vector<int16_t> sums16; // K-quants: [row][K / 16], the sums of each 16 values
 #if defined(QUANT_AVX512)
-  std::vector<float> lanes;    // 32-element types: [row][pair][32], see `fill_lanes`
+  std::vector<float> pair_terms;  // 32-element types: [row][pair][4], see `fill_pair_terms`
 #endif
 };
 
-// One block of n floats as int8 values (round to nearest) and their scale, max |x| / 127.
-inline float quantize_block(const float* x, int n, int8_t* q) {
+// One block of n values as int8 (round to nearest) and their scale, max |x| / 127.
+template <typename T>
+inline float quantize_block(const T* x, int n, int8_t* q) {
+  float values[256];
   float amax = 0.0f;
-  for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float d = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-  for (int i = 0; i < n; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inverse));
-  return d;
+  for (int i = 0; i < n; ++i) {
+    values[i] = static_cast<float>(x[i]);
+    amax = std::max(amax, std::fabs(values[i]));
+  }
+  // below 1e-30 (where 127 / max may overflow) a block counts as zeros
+  const float inverse = amax >= 1e-30f ? 127.0f / amax : 0.0f;
+  for (int i = 0; i < n; ++i) q[i] = static_cast<int8_t>(std::nearbyint(values[i] * inverse));
+  return amax / 127.0f;
 }
 
 #if defined(QUANT_AVX512)
-// Per pair of blocks, two vectors of 16 floats, block 0's value in lanes 0-7 and block 1's in 8-15
-// (the lanes that hold each block's 8 partial integer sums): x's scales, and the offset term each
-// lane adds: Q4_0 -sum (8 lanes of -sum: -8 * scale * sum(q) per block), Q4_1 sum / 8 (times the min).
-void fill_lanes(int64_t type, QuantizedRows& x, int64_t row) {
+// Per pair of blocks, the 4 floats that multiply the weight's 4 scales (as dot_blocks reads them):
+// x's scales where they meet the weight's d's, and where Q4_0 repeats its d's (for -8 d) or Q4_1
+// has its mins, x's sums (scale times the sum of the block's values), times -8 for Q4_0.
+void fill_pair_terms(int64_t type, QuantizedRows& x, int64_t row) {
   const int64_t pairs = x.stride / 64;
-  float* lanes = x.lanes.data() + row * pairs * 32;
+  float* terms = x.pair_terms.data() + row * pairs * 4;
   const float *scales = x.scales.data() + row * x.blocks, *sums = x.sums.data() + row * x.blocks;
-  for (int64_t b = 0; b < 2 * pairs; ++b) {
-    const bool real = b < x.blocks;
-    const float scale = real ? scales[b] : 0.0f, offset = !real ? 0.0f : type == kQ4_0 ? -sums[b] : sums[b] / 8;
-    float* pair = lanes + (b / 2) * 32 + (b % 2) * 8;
-    std::fill(pair, pair + 8, scale);
-    std::fill(pair + 16, pair + 24, offset);
+  std::fill(terms, terms + pairs * 4, 0.0f);  // an odd last block's partner stays 0
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    float* pair = terms + (b / 2) * 4;
+    const int64_t i = b % 2;
+    if (type == kQ4_1) {  // [d0, m0, d1, m1]
+      pair[2 * i] = scales[b];
+      pair[2 * i + 1] = sums[b];
+    } else {  // [d0, d1, d0, d1]
+      pair[i] = scales[b];
+      pair[2 + i] = type == kQ4_0 ? -8.0f * sums[b] : 0.0f;
+    }
   }
 }
 #endif
@@ -186,15 +274,13 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int64_t type, QuantizedRows
   out.sums.resize(k_quant(type) ? 0 : M * out.blocks);
   out.sums16.resize(k_quant(type) ? M * K / 16 : 0);
 #if defined(QUANT_AVX512)
-  out.lanes.resize(k_quant(type) ? 0 : M * out.stride / 2);
+  out.pair_terms.resize(k_quant(type) ? 0 : M * out.stride / 16);
 #endif
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(K);
     for (int64_t m = begin; m < end; ++m) {
-      for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(x[m * K + k]);
       int8_t* q = out.values.data() + m * out.stride;
       for (int64_t b = 0; b < out.blocks; ++b) {
-        const float d = quantize_block(row.data() + b * block, block, q + b * block);
+        const float d = quantize_block(x + m * K + b * block, block, q + b * block);
         out.scales[m * out.blocks + b] = d;
         if (k_quant(type)) continue;
         int sum = 0;
@@ -209,7 +295,7 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int64_t type, QuantizedRows
         }
 #if defined(QUANT_AVX512)
       else
-        fill_lanes(type, out, m);
+        fill_pair_terms(type, out, m);
 #endif
     }
   });
@@ -238,30 +324,27 @@ inline __m512i nibbles(const uint8_t* q0, const uint8_t* q1) {
 
 inline float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
 
-// Q8_0, Q4_0, Q4_1 over pairs of blocks: a pair's integer sums, in 16 lanes, times x's scales (and
-// plus Q4_0's offset), times the weight's scales, summed in float lanes.
+// Q8_0, Q4_0, Q4_1 over pairs of blocks: a pair's 16 integer sums (8 a block) times their block's
+// two scales, spread over their lanes from 4 products of the weight's and x's scales, which also
+// hold the blocks' offsets (Q4_0's -8 d, Q4_1's min, times x's sums), summed in 4 lanes apart.
 template <int64_t T, int R>
 void dot_blocks(const uint8_t* w, const QuantizedRows& x, int64_t row0, float* out) {
   constexpr int64_t bytes = T == kQ8_0 ? 34 : T == kQ4_0 ? 18 : 20, header = T == kQ4_1 ? 4 : 2;
   const int64_t pairs = x.stride / 64;
-  const __m512i first = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  __m512 acc[R], mins[R];
-  for (int r = 0; r < R; ++r) acc[r] = mins[r] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
-    const uint8_t* b0 = w + 2 * p * bytes;
-    const uint8_t* b1 = 2 * p + 1 < x.blocks ? b0 + bytes : b0;  // an odd last block: its lanes of x are 0
+  // lanes 0-7 from product 0, 8-15 from product 1 (Q4_1: 2)
+  const __m512i spread = T == kQ4_1 ? _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0)
+                                    : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  __m512 acc[R];
+  __m128 offsets[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), offsets[r] = _mm_setzero_ps();
+  auto pair = [&](int64_t p, const uint8_t* b0, const uint8_t* b1) {
+    __m128 scales;
     __m512i wq;
-    __m512 dw, mw;
-    if constexpr (T == kQ4_1) {  // [d0, m0, d1, m1] as floats
-      const __m512 dm = _mm512_castps128_ps512(
-          _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<int64_t>(load32(b0) | uint64_t(load32(b1)) << 32))));
-      dw = _mm512_permutexvar_ps(_mm512_slli_epi32(first, 1), dm);
-      mw = _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_slli_epi32(first, 1), _mm512_set1_epi32(1)), dm);
-    } else {
-      uint16_t d0, d1;
-      std::memcpy(&d0, b0, 2);
-      std::memcpy(&d1, b1, 2);
-      dw = _mm512_permutexvar_ps(first, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(d0 | d1 << 16))));
+    if constexpr (T == kQ4_1) {  // [d0, m0, d1, m1]
+      scales = _mm_cvtph_ps(_mm_unpacklo_epi32(_mm_cvtsi32_si128(load32(b0)), _mm_cvtsi32_si128(load32(b1))));
+    } else {  // [d0, d1, d0, d1]
+      const __m128i d = _mm_unpacklo_epi16(_mm_cvtsi32_si128(load32(b0)), _mm_cvtsi32_si128(load32(b1)));
+      scales = _mm_cvtph_ps(_mm_unpacklo_epi32(d, d));
     }
     if constexpr (T == kQ8_0) {
       wq = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2))),
@@ -273,19 +356,27 @@ void dot_blocks(const uint8_t* w, const QuantizedRows& x, int64_t row0, float* o
     const __mmask64 negative = T == kQ8_0 ? _mm512_movepi8_mask(wq) : 0;
     if constexpr (T == kQ8_0) wq = _mm512_abs_epi8(wq);
     for (int r = 0; r < R; ++r) {
-      const float* lanes = x.lanes.data() + ((row0 + r) * pairs + p) * 32;
+      const __m128 products = _mm_mul_ps(scales, _mm_loadu_ps(x.pair_terms.data() + ((row0 + r) * pairs + p) * 4));
       __m512i xq = _mm512_loadu_si512(x.values.data() + (row0 + r) * x.stride + p * 64);
       if constexpr (T == kQ8_0) xq = _mm512_mask_sub_epi8(xq, negative, _mm512_setzero_si512(), xq);
-      const __m512 isum = _mm512_cvtepi32_ps(dot_u8s8(wq, xq));
-      if constexpr (T == kQ4_0) {
-        acc[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(isum, _mm512_loadu_ps(lanes), _mm512_loadu_ps(lanes + 16)), dw, acc[r]);
-      } else {
-        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(isum, _mm512_loadu_ps(lanes)), dw, acc[r]);
-        if constexpr (T == kQ4_1) mins[r] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(lanes + 16), mins[r]);
-      }
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_u8s8(wq, xq)),
+                               _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(products)), acc[r]);
+      if constexpr (T != kQ8_0) offsets[r] = _mm_add_ps(offsets[r], products);
     }
+  };
+  for (int64_t p = 0; p < x.blocks / 2; ++p) pair(p, w + 2 * p * bytes, w + (2 * p + 1) * bytes);
+  if (x.blocks % 2) {  // the last block twice: x's terms for the second are 0
+    const uint8_t* last = w + (x.blocks - 1) * bytes;
+    pair(x.blocks / 2, last, last);
   }
-  for (int r = 0; r < R; ++r) out[r] = reduce(T == kQ4_1 ? _mm512_add_ps(acc[r], mins[r]) : acc[r]);
+  for (int r = 0; r < R; ++r) {
+    // the offsets' lanes: Q4_0's 2 and 3, Q4_1's 1 and 3
+    const __m128 o = offsets[r];
+    const float offset = T == kQ4_0 ? _mm_cvtss_f32(_mm_add_ss(_mm_movehl_ps(o, o), _mm_movehdup_ps(_mm_movehl_ps(o, o))))
+                         : T == kQ4_1 ? _mm_cvtss_f32(_mm_add_ss(_mm_movehdup_ps(o), _mm_movehl_ps(o, _mm_movehdup_ps(o))))
+                                      : 0.0f;
+    out[r] = reduce(acc[r]) + offset;
+  }
 }
 
 // Index vectors of 32 int16 lanes that spread sub-block scales over the lanes of their sums: a
@@ -604,6 +695,30 @@ void multiply(const QuantizedRows& x, int64_t M, const uint8_t* w, int64_t type,
   });
 }
 
+#if defined(QUANT_AVX512) && defined(__AVX512BF16__)
+// From this many rows of bf16 x on, the weight is dequantized to bf16, a tile of its rows at a time,
+// for oneDNN's GEMM (VDPBF16PS, or AMX tiles where they run): once enough rows share the decoding,
+// faster than the integer kernels, whose every product pays for its block's float scale.
+constexpr int64_t kDequantizedRows = 16;
+constexpr int64_t kTileElements = int64_t(1) << 22;  // 8 MiB of bf16 scratch at most
+
+void dequantized_multiply(const torch::Tensor& x, const uint8_t* w, int64_t type, int64_t K, int64_t N,
+                          int64_t row_bytes, torch::Tensor& y) {
+  const int64_t tile_rows = std::min(N, std::max<int64_t>(16, kTileElements / K));
+  thread_local torch::Tensor scratch;  // reused, as the integer kernels' QuantizedRows
+  if (!scratch.defined() || scratch.numel() < tile_rows * K) scratch = torch::empty({tile_rows * K}, x.options());
+  for (int64_t first = 0; first < N; first += tile_rows) {
+    const int64_t rows = std::min(tile_rows, N - first);
+    at::BFloat16* tile = scratch.data_ptr<at::BFloat16>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) dequantize_row(type, w + (first + n) * row_bytes, K, tile + n * K);
+    });
+    auto out = y.narrow(1, first, rows);
+    at::mm_out(out, x, scratch.narrow(0, 0, rows * K).view({rows, K}).t());
+  }
+}
+#endif
+
 int64_t columns_of(const torch::Tensor& weight, int64_t type) {
   const Layout layout = layout_of(type);
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
@@ -628,6 +743,16 @@ std::string quant_linear_isa() {
 #endif
 }
 
+// The rows of bf16 x from which quant_linear multiplies a dequantized bf16 weight; 0: never (a
+// build without AVX512-BF16).
+int64_t quant_linear_dequantized_rows() {
+#if defined(QUANT_AVX512) && defined(__AVX512BF16__)
+  return kDequantizedRows;
+#else
+  return 0;
+#endif
+}
+
 // x: [M, K] float32 or bf16; weight: [N, K / block * bytes per block] uint8, ggml blocks of `type`
 // (a GGMLQuantizationType); bias: [N] float32 or undefined. Returns x @ W^T + bias, [M, N], x's dtype.
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor weight, int64_t type, c10::optional<torch::Tensor> bias) {
@@ -644,8 +769,15 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor weight, int64_t type, 
   const int64_t M = x.size(0);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
-  thread_local QuantizedRows rows;  // reused: a decode step allocates nothing but its output
   const uint8_t* w = weight.data_ptr<uint8_t>();
+#if defined(QUANT_AVX512) && defined(__AVX512BF16__)
+  if (x.scalar_type() == at::kBFloat16 && M >= kDequantizedRows) {
+    dequantized_multiply(x, w, type, K, N, weight.size(1), y);
+    if (b) y.add_(*bias);
+    return y;
+  }
+#endif
+  thread_local QuantizedRows rows;  // reused: a decode step allocates nothing but its output
   if (x.scalar_type() == at::kFloat) {
     quantize_rows(x.data_ptr<float>(), M, K, type, rows);
     multiply(rows, M, w, type, N, weight.size(1), b, y.data_ptr<float>());
@@ -659,14 +791,11 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor weight, int64_t type, 
 // weight as quant_linear takes it; returns its values, float32 [N, K].
 torch::Tensor quant_dequantize(torch::Tensor weight, int64_t type) {
   const int64_t K = columns_of(weight, type), N = weight.size(0), row_bytes = weight.size(1);
-  const Layout layout = layout_of(type);
   auto y = torch::empty({N, K}, torch::kFloat);
   const uint8_t* w = weight.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t b = 0; b < K / layout.elements; ++b)
-        dequantize_block(type, w + n * row_bytes + b * layout.bytes, out + n * K + b * layout.elements);
+    for (int64_t n = begin; n < end; ++n) dequantize_row(type, w + n * row_bytes, K, out + n * K);
   });
   return y;
 }
