@@ -1,8 +1,10 @@
 """A Linear from GGUF blocks: a weight kept in ggml's quantized block format (Q8_0, Q4_0, Q4_1, Q4_K,
 Q6_K) and multiplied as it is, by the native kernel (`csrc/quant_linear.cpp`: x's rows quantized to
 int8, integer dot products per block), so a decode step reads the quantized bytes, not a float copy.
-Where the native kernels are not built, or x's dtype is neither float32 nor bf16, the weight is
-dequantized in PyTorch for each call (slow, but the engine runs).
+A prompt's rows in bf16 (16 and more, where AVX512-BF16 is built) multiply the weight dequantized to
+bf16 a tile at a time instead, on oneDNN's GEMM. Where the native kernels are not built, or x's dtype
+is neither float32 nor bf16, the weight is dequantized in PyTorch for each call (slow, but the
+engine runs).
 
 Wiring a GGUF model (reader: a `gguf.GGUFReader`; ggml lists shapes innermost first, these are
 PyTorch's (N, K)):
