@@ -2,17 +2,20 @@
 GEMMs the engine runs otherwise (oneDNN's prepacked float32, the native bf16 one where AVX512-BF16
 serves it, else oneDNN's), on the default model's Linear shapes, at a decode step's one row.
 
-Each layer shape has 30 weights of its own (the LM head one), called in turn, so that they stream
-from memory as in a decode step. Prints ms per call (best of five rounds) and, for the quantized
-types, the GB/s of weight bytes that makes; K-quants need K % 256 == 0 (not the hidden size 576).
+Each shape and kind has as many weights of its own as fill twice the last-level cache, called in
+turn, so that they stream from memory as a decode step's do (the default model's weights do not
+fit in cache). Prints ms per call (best of 20 rounds) and, for the quantized types, the GB/s of
+weight bytes that makes; K-quants need K % 256 == 0 (not the hidden size 576).
 
 Usage: python benchmarks/quant_linear.py [ROWS]   (default: 1)
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
+from pathlib import Path
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -21,14 +24,15 @@ from backends.builtin.worker import kernels
 from backends.builtin.worker.model_runner import PackedLinear, PairedLinear
 from backends.builtin.worker.quant import QuantizedWeight, QuantLinear
 
-SHAPES = [(576, 576, 30), (1536, 576, 30), (576, 1536, 30), (49152, 576, 1)]  # (N, K, weights)
+ROUNDS = 20  # best of: other work on the machine only ever slows a round
+SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576)]  # (N, K)
 TYPES = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
          GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K]
 
 
 def best_ms(modules, x: torch.Tensor) -> float:
     best = float("inf")
-    for _ in range(5):
+    for _ in range(ROUNDS):
         for m in modules:
             m(x)
         start = time.perf_counter()
@@ -36,6 +40,19 @@ def best_ms(modules, x: torch.Tensor) -> float:
             m(x)
         best = min(best, (time.perf_counter() - start) / len(modules))
     return best * 1000
+
+
+def last_level_cache() -> int:
+    try:
+        size = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        return int(size.rstrip("K")) * 1024 if size.endswith("K") else int(size)
+    except (OSError, ValueError):
+        return 32 << 20
+
+
+def copies(module_bytes: int) -> int:
+    """Weights enough to fill twice the last-level cache."""
+    return max(2, math.ceil(2 * last_level_cache() / module_bytes))
 
 
 def quantized(weight: torch.Tensor, qtype: GGMLQuantizationType) -> QuantizedWeight:
@@ -62,12 +79,12 @@ def main() -> None:
           f"{torch.get_num_threads()} threads; rows {rows}")
     print(f"{'N x K':>12} {'f32':>7} {'bf16':>7}" + "".join(f" {t.name:>13}" for t in TYPES))
     torch.manual_seed(0)
-    for n, k, count in SHAPES:
+    for n, k in SHAPES:
         linear = torch.nn.Linear(k, n, bias=False)
         x = torch.randn(rows, k)
-        f32 = best_ms([PackedLinear(linear) for _ in range(count)], x)
+        f32 = best_ms([PackedLinear(linear) for _ in range(copies(n * k * 4))], x)
         half = linear.bfloat16()
-        bf16 = best_ms([PairedLinear(half, gemm) if gemm else PackedLinear(half) for _ in range(count)],
+        bf16 = best_ms([PairedLinear(half, gemm) if gemm else PackedLinear(half) for _ in range(copies(n * k * 2))],
                        x.bfloat16())
         cells = []
         for qtype in TYPES:
@@ -75,7 +92,8 @@ def main() -> None:
                 cells.append(f"{'-':>13}")
                 continue
             weight = quantized(linear.weight.float(), qtype)
-            layers = [QuantLinear(QuantizedWeight(qtype, weight.shape, weight.raw.clone())) for _ in range(count)]
+            layers = [QuantLinear(QuantizedWeight(qtype, weight.shape, weight.raw.clone()))
+                      for _ in range(copies(weight.bytes))]
             ms = best_ms(layers, x)
             cells.append(f" {ms:6.3f} {weight.bytes / ms / 1e6:3.0f}GB/s")
         print(f"{n:>6} x {k:<4} {f32:7.3f} {bf16:7.3f}" + "".join(cells))

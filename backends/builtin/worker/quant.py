@@ -103,15 +103,16 @@ class QuantizedWeight:
 
 
 class QuantLinear(torch.nn.Module):
-    """y = x @ W^T (+ bias), W a `QuantizedWeight`. native=False: the PyTorch path (for tests)."""
+    """y = x @ W^T (+ bias), W a `QuantizedWeight`, on the CPU. native=False: the PyTorch path (tests)."""
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, native: bool = True) -> None:
         super().__init__()
         self.qtype = weight.qtype
         self.type_id = int(weight.qtype)
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("raw", weight.raw, persistent=False)
-        # float32 always: a plain attribute, so that a model's .to(dtype) leaves it so
+        # plain attributes, not buffers: a model's .to(dtype) leaves them as they are (the bias float32, as
+        # the kernel takes it), and the forward reads them without nn.Module's lookups
+        self.raw = weight.raw
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.ops = kernels.load() if native else None
 
@@ -125,14 +126,13 @@ class QuantLinear(torch.nn.Module):
         return self.raw.numel() + (0 if self.bias is None else self.bias.numel() * 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ops is None or x.dtype not in NATIVE_DTYPES or x.device.type != "cpu":
-            w = dequantize_torch(self.raw, self.qtype, self.in_features).to(x.dtype)
-            y = x @ w.T
-            return y if self.bias is None else y + self.bias.to(x.dtype)
-        if x.dim() == 2:
-            return self.ops.quant_linear(x.contiguous(), self.raw, self.type_id, self.bias)
-        y = self.ops.quant_linear(x.reshape(-1, self.in_features).contiguous(), self.raw, self.type_id, self.bias)
-        return y.view(*x.shape[:-1], self.out_features)
+        if self.ops is not None and x.dtype in NATIVE_DTYPES and x.is_cpu:
+            if x.dim() == 2:
+                return self.ops.quant_linear(x, self.raw, self.type_id, self.bias)
+            y = self.ops.quant_linear(x.reshape(-1, self.in_features), self.raw, self.type_id, self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
+        y = x @ dequantize_torch(self.raw, self.qtype, self.in_features).to(x).T
+        return y if self.bias is None else y + self.bias.to(x)
 
     def extra_repr(self) -> str:
         return f"{self.qtype.name}, in_features={self.in_features}, out_features={self.out_features}"

@@ -757,9 +757,9 @@ int64_t quant_linear_dequantized_rows() {
 // (a GGMLQuantizationType); bias: [N] float32 or undefined. Returns x @ W^T + bias, [M, N], x's dtype.
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor weight, int64_t type, c10::optional<torch::Tensor> bias) {
   const int64_t K = columns_of(weight, type), N = weight.size(0);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == K &&
-                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "quant_linear takes contiguous float32 or bf16 rows [M, ", K, "]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "quant_linear takes float32 or bf16 rows [M, ", K, "]");
+  x = x.contiguous();
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
