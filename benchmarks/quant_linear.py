@@ -4,15 +4,16 @@ serves it, else oneDNN's), on the default model's Linear shapes, at a decode ste
 
 Each shape and kind has as many weights of its own as fill twice the last-level cache, called in
 turn, so that they stream from memory as a decode step's do (the default model's weights do not
-fit in cache). Prints ms per call (best of 20 rounds) and, for the quantized types, the GB/s of
+fit in cache). Prints ms per call (see `ms_per_call`) and, for the quantized types, the GB/s of
 weight bytes that makes; K-quants need K % 256 == 0 (not the hidden size 576).
 
-Usage: python benchmarks/quant_linear.py [ROWS]   (default: 1)
+Usage: python benchmarks/quant_linear.py [ROWS [THREADS]]   (default: 1 row, PyTorch's threads)
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,22 +25,24 @@ from backends.builtin.worker import kernels
 from backends.builtin.worker.model_runner import PackedLinear, PairedLinear
 from backends.builtin.worker.quant import QuantizedWeight, QuantLinear
 
-ROUNDS = 20  # best of: other work on the machine only ever slows a round
+CALLS = 500
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576)]  # (N, K)
 TYPES = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
          GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K]
 
 
-def best_ms(modules, x: torch.Tensor) -> float:
-    best = float("inf")
-    for _ in range(ROUNDS):
+def ms_per_call(modules, x: torch.Tensor) -> float:
+    """The 10th percentile of CALLS single calls' times (after a round to warm up): other work on a
+    shared machine only ever slows a call, and a percentile stays clear of the odd lucky one."""
+    for m in modules:
+        m(x)
+    times = []
+    for _ in range(math.ceil(CALLS / len(modules))):
         for m in modules:
+            start = time.perf_counter()
             m(x)
-        start = time.perf_counter()
-        for m in modules:
-            m(x)
-        best = min(best, (time.perf_counter() - start) / len(modules))
-    return best * 1000
+            times.append(time.perf_counter() - start)
+    return statistics.quantiles(times, n=10)[0] * 1000
 
 
 def last_level_cache() -> int:
@@ -71,6 +74,8 @@ def quantized(weight: torch.Tensor, qtype: GGMLQuantizationType) -> QuantizedWei
 @torch.inference_mode()
 def main() -> None:
     rows = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    if len(sys.argv) > 2:
+        torch.set_num_threads(int(sys.argv[2]))
     ops = kernels.load()
     if ops is None:
         sys.exit(f"the native kernels did not build: {kernels._failed}")
@@ -82,9 +87,9 @@ def main() -> None:
     for n, k in SHAPES:
         linear = torch.nn.Linear(k, n, bias=False)
         x = torch.randn(rows, k)
-        f32 = best_ms([PackedLinear(linear) for _ in range(copies(n * k * 4))], x)
+        f32 = ms_per_call([PackedLinear(linear) for _ in range(copies(n * k * 4))], x)
         half = linear.bfloat16()
-        bf16 = best_ms([PairedLinear(half, gemm) if gemm else PackedLinear(half) for _ in range(copies(n * k * 2))],
+        bf16 = ms_per_call([PairedLinear(half, gemm) if gemm else PackedLinear(half) for _ in range(copies(n * k * 2))],
                        x.bfloat16())
         cells = []
         for qtype in TYPES:
@@ -94,7 +99,7 @@ def main() -> None:
             weight = quantized(linear.weight.float(), qtype)
             layers = [QuantLinear(QuantizedWeight(qtype, weight.shape, weight.raw.clone()))
                       for _ in range(copies(weight.bytes))]
-            ms = best_ms(layers, x)
+            ms = ms_per_call(layers, x)
             cells.append(f" {ms:6.3f} {weight.bytes / ms / 1e6:3.0f}GB/s")
         print(f"{n:>6} x {k:<4} {f32:7.3f} {bf16:7.3f}" + "".join(cells))
     print("ms per call; GB/s: quantized weight bytes read per second")
