@@ -2,8 +2,9 @@
 the paged KV cache, of decode tokens (`csrc/paged_attention.cpp`) and of prompt chunks
 (`csrc/chunk_attention.cpp`, built with AVX-512 only), a decoder layer's element-wise work
 (`csrc/layer_ops.cpp`: residual add + RMSNorm, rotary embedding, SiLU-and-multiply), and bf16
-Linear layers for CPUs with AVX512-BF16 but no AMX (`csrc/bf16_linear.cpp`), and LoRA adapters
-applied per token (`csrc/lora.cpp`).
+Linear layers for CPUs with AVX512-BF16 but no AMX (`csrc/bf16_linear.cpp`), LoRA adapters
+applied per token (`csrc/lora.cpp`), and Linear layers on GGUF-quantized weights as they are
+(`csrc/quant_linear.cpp`, used by `quant.QuantLinear`).
 
 The build (a minute or more, once per machine: torch caches it under
 ~/.cache/torch_extensions, under a name that carries the CPU's feature flags, since it is built
@@ -28,7 +29,7 @@ log = logging.getLogger("servegate.kernels")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [str(CSRC / name) for name in
            ("paged_attention.cpp", "chunk_attention.cpp", "layer_ops.cpp", "bf16_linear.cpp", "lora.cpp",
-                             "module.cpp")]
+                             "quant_linear.cpp", "module.cpp")]
 _lock = threading.Lock()
 _module = None
 _failed: str | None = None
