@@ -205,6 +205,8 @@ class Capabilities:
     prefix_caching: bool
     dtype: str | None = None  # weights and activations, where the runtime says
     kv_dtype: str | None = None
+    weights: str | None = None  # how the weights are stored (quantized types), where the runtime says
+    weight_bytes_per_token: int | None = None
     structured_output: bool = False
     tokenize: bool = False
     chat: bool = True

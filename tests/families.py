@@ -33,9 +33,9 @@ def family_configs():
                                        norm_topk_prob=True),
         "gemma2": tf.Gemma2Config(**{**SMALL, "tie_word_embeddings": True}, sliding_window=WINDOW,  # as vLLM's
                                   query_pre_attn_scalar=64, attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
-        "gemma3_text": tf.Gemma3TextConfig(**SMALL, sliding_window=WINDOW,
+        # Gemma 3's five sliding layers to one global, the pattern llama.cpp hard-codes (its GGUF has none)
+        "gemma3_text": tf.Gemma3TextConfig(**{**SMALL, "num_hidden_layers": 6}, sliding_window=WINDOW,
                                            query_pre_attn_scalar=64,
-                                           layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                                            rope_parameters={
                                                "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                                   "rope_theta": 1_000_000.0},

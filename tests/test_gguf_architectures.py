@@ -10,7 +10,8 @@ import transformers
 from gguf.quants import dequantize
 from safetensors.torch import load_file
 
-from backends.builtin.worker.gguf_weights import GGUF_TO_HF_ARCH, RawQuant, read_gguf
+from backends.builtin.worker.gguf_weights import GGUF_TO_HF_ARCH, read_gguf
+from backends.builtin.worker.quant import QuantizedWeight
 from tests.gguf_writer import write_gguf
 
 # Dimensions multiples of 32, ggml's quantization block. The files have no vocabulary (reading one takes
@@ -102,12 +103,12 @@ def test_raw_quantized_weights(arch, qtype, tmp_path):
     write_gguf(tiny_model(arch), tmp_path / "model.gguf", qtype, tokenizer=False)
     _, dense = read_gguf(tmp_path / "model.gguf")
     _, raw = read_gguf(tmp_path / "model.gguf", dequantize=False)
-    quantized = {name: weight for name, weight in raw.items() if isinstance(weight, RawQuant)}
+    quantized = {name: weight for name, weight in raw.items() if isinstance(weight, QuantizedWeight)}
     assert "model.layers.0.self_attn.q_proj.weight" in quantized and "model.embed_tokens.weight" in quantized
     for name, weight in raw.items():
-        if isinstance(weight, RawQuant):
+        if isinstance(weight, QuantizedWeight):
             assert weight.qtype.name == qtype and weight.shape == tuple(dense[name].shape)
-            assert torch.equal(torch.from_numpy(dequantize(weight.data.numpy(), weight.qtype)), dense[name]), name
+            assert torch.equal(torch.from_numpy(dequantize(weight.raw.numpy(), weight.qtype)), dense[name]), name
         else:
             assert weight.dim() == 1 and torch.equal(weight, dense[name]), name
 

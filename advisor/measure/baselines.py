@@ -174,8 +174,8 @@ def servegate_env() -> Iterator[tuple[dict[str, str], str]]:
 
 # llama-cpp-default keeps the server's default interrupt_requests=True, to show what it does; vllm
 # is vLLM's CPU build from its own environment (`python -m backends.peers vllm`).
-SYSTEMS = ("builtin", "builtin-bf16", "builtin-fp32", "builtin-int8", "hf-static", "llama-cpp", "llama-cpp-default",
-           "llama-server", "vllm", "vllm-fp32")
+SYSTEMS = ("builtin", "builtin-bf16", "builtin-fp32", "builtin-int8", "builtin-dequantized", "hf-static", "llama-cpp",
+           "llama-cpp-default", "llama-server", "vllm", "vllm-fp32")
 
 
 def system_of(name: str) -> str:
@@ -212,9 +212,10 @@ def system_target(name: str, model: str | None = None, flags: Sequence[str] = ()
     gguf = Path(model) if model else default_model_path()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    if name in ("builtin", "builtin-bf16", "builtin-fp32", "builtin-int8"):
+    if name in ("builtin", "builtin-bf16", "builtin-fp32", "builtin-int8", "builtin-dequantized"):
         extra = {"builtin-int8": ["--weight-quant", "int8"], "builtin-bf16": ["--dtype", "bfloat16"],
-                 "builtin-fp32": ["--dtype", "float32"]}.get(name, [])
+                 "builtin-fp32": ["--dtype", "float32"],
+                 "builtin-dequantized": ["--gguf-weights", "dequantized"]}.get(name, [])
         command = servegate_command(port, model or "") + extra + list(flags)
         with servegate_env() as (env, key), supervised(command, url, "/ready", env, 300) as server:
             yield OpenAITarget(url, api_key=key, server_pid=server.pid)

@@ -84,7 +84,8 @@ class BuiltinBackend(Backend):
     async def start(self) -> None:
         try:
             if self.config.engine_process:
-                directory = await asyncio.to_thread(model_dir, self.config.model or None, self.config.cache_dir)
+                directory = await asyncio.to_thread(model_dir, self.config.model or None, self.config.cache_dir,
+                                                    self.config.gguf_weights == "quantized")
                 self.tokenizer = await asyncio.to_thread(load_tokenizer, directory)
                 front = await asyncio.to_thread(EngineProcess, self.config)
                 self.info = front.info
@@ -100,8 +101,9 @@ class BuiltinBackend(Backend):
         self._longest_token = max(map(len, self._texts.bytes), default=1) or 1
         self._front = front
         info = self.info
-        log.info("model %s loaded: %s (%s), max context %d, %d KV blocks of %d tokens, engine %s", self.model_id,
-                 info.dtype, info.dtype_reason, info.max_model_len, info.num_blocks, info.block_size,
+        log.info("model %s loaded: %s (%s), weights %s (%.1f MB read per token), max context %d, %d KV blocks of "
+                 "%d tokens, engine %s", self.model_id, info.dtype, info.dtype_reason, info.weights,
+                 info.weight_bytes_per_token / 1e6, info.max_model_len, info.num_blocks, info.block_size,
                  "in its own process" if self.config.engine_process else "on a thread")
 
     @property
@@ -294,6 +296,8 @@ class BuiltinBackend(Backend):
             prefix_caching=self.config.enable_prefix_caching,
             dtype=self.dtype,
             kv_dtype=self.dtype if self.config.kv_cache_dtype == "auto" else self.config.kv_cache_dtype,
+            weights=self.info.weights if self.info else None,
+            weight_bytes_per_token=self.info.weight_bytes_per_token if self.info else None,
             tokenize=True,
             structured_output=True,
             features=frozenset({"n", "seed", "stop", "stop_token_ids", "ignore_eos", "top_k", "min_p", "min_tokens",

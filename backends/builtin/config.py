@@ -33,6 +33,10 @@ class EngineConfig:
     max_num_seqs: int = _help("Running sequences at most.", 64)
     max_model_len: int | None = _help("Context length cap (default: the model's own).", None)
     enable_prefix_caching: bool = _help("Automatic prefix caching.", True, "--prefix-caching/--no-prefix-caching")
+    gguf_weights: Literal["quantized", "dequantized"] = _help(
+        "A GGUF's quantized weights: kept in their blocks and multiplied as they are by native kernels "
+        "(Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; other types are dequantized), or all dequantized to --dtype at load "
+        "(exactly the file's values, about 4x the bytes a Q4 step reads).", "quantized")
     weight_quant: Literal["none", "int8"] = _help("int8: dynamic int8 GEMMs on CPU, faster, no longer exact.", "none")
     kv_cache_dtype: Literal["auto", "int8"] = _help("auto: the model's dtype; int8: per-token, per-head scales.",
                                                     "auto")

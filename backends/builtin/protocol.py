@@ -72,6 +72,8 @@ class CoreInfo(msgspec.Struct, frozen=True):
     dtype: str
     dtype_reason: str
     vocab_size: int
+    weights: str  # what the weights are stored as: "Q4_1 x210, Q8_0 x1"
+    weight_bytes_per_token: int  # weights a token's forward reads
 
 
 Stats = dict[str, int | float]  # the engine's figures at a step boundary (`LLMEngine.stats`)

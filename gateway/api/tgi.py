@@ -205,6 +205,7 @@ async def info(principal: InferencePrincipal, gateway: GatewayDep, model: str | 
         "max_concurrent_requests": gateway.settings.max_in_flight + gateway.settings.max_queued,
         "max_best_of": 1, "max_stop_sequences": MAX_STOP_SEQUENCES,
         "max_input_tokens": max(caps.max_context - 1, 0), "max_total_tokens": caps.max_context, "dtype": caps.dtype,
+        "weights": caps.weights, "weight_bytes_per_token": caps.weight_bytes_per_token,
         "validation_workers": 1, "max_client_batch_size": 1,
         "router": "servegate", "version": servegate_version(), "sha": None, "docker_label": None,
     }

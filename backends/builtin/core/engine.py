@@ -44,7 +44,7 @@ def check_request(limit: int, num_prompt_tokens: int, max_tokens: int | None) ->
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        self.loaded = loaded or load_model(config.model or None, config.cache_dir)
+        self.loaded = loaded or load_model(config.model or None, config.cache_dir, config.gguf_weights == "quantized")
         model_cfg = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         num_blocks = config.blocks()
@@ -142,7 +142,7 @@ class LLMEngine:
     def core_info(self) -> CoreInfo:
         return CoreInfo(self.max_model_len, self.kv.num_blocks, self.kv.block_size,
                         str(self.runner.dtype).removeprefix("torch."), self.runner.dtype_reason,
-                        self.loaded.config.vocab_size)
+                        self.loaded.config.vocab_size, self.runner.weights, self.runner.weight_bytes_per_token)
 
     def live_tokens(self) -> int:
         """Tokens held in used KV blocks, a shared block counted once."""

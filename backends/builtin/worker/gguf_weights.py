@@ -6,7 +6,8 @@ llama.cpp's converter (`convert_hf_to_gguf.py` and its `conversion/` package) re
 some tensors. Each architecture's table below undoes exactly that; facts the GGUF does not carry come
 from what llama.cpp hard-codes for the architecture (`src/models/<arch>.cpp`).
 
-With `dequantize=False`, 2-D weights in a quantized ggml type stay as they are in the file (`RawQuant`).
+With `dequantize=False`, 2-D weights in a ggml type the native kernels multiply stay as they are in the
+file (`quant.QuantizedWeight`); other types are dequantized.
 """
 
 from __future__ import annotations
@@ -19,19 +20,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
 from backends.builtin.worker.gguf_file import gguf_field
-
-
-@dataclass(frozen=True)
-class RawQuant:
-    """A weight left in its ggml quantized type: each row of `data` is one output row's ggml blocks."""
-
-    qtype: GGMLQuantizationType
-    shape: tuple[int, int]  # (out, in), the Hugging Face weight's shape
-    data: torch.Tensor  # uint8 [out, bytes per row]
+from backends.builtin.worker.quant import SUPPORTED as KERNEL_TYPES
+from backends.builtin.worker.quant import QuantizedWeight
 
 
 def unpermuted_rows(rows: int, num_heads: int) -> torch.Tensor:
@@ -193,8 +187,8 @@ def hf_name(name: str, architecture: str = "llama") -> str:
     return f"model.layers.{layer}.{ARCHITECTURES[architecture].blocks[part]}"
 
 
-def read_gguf(path: str | Path, dequantize: bool = True) -> tuple[dict, dict[str, torch.Tensor | RawQuant]]:
-    """The Hugging Face config dict and state dict (fp32, or `RawQuant` for quantized 2-D weights where
+def read_gguf(path: str | Path, dequantize: bool = True) -> tuple[dict, dict[str, torch.Tensor | QuantizedWeight]]:
+    """The Hugging Face config dict and state dict (fp32, or `QuantizedWeight` for quantized 2-D weights where
     `dequantize` is False) of a GGUF file."""
     reader = GGUFReader(path)
     arch = gguf_field(reader, "general.architecture")
@@ -204,7 +198,7 @@ def read_gguf(path: str | Path, dequantize: bool = True) -> tuple[dict, dict[str
                          f"(supported: {', '.join(sorted(SUPPORTED))})")
     tensors = {t.name: t for t in reader.tensors}
     config = _config(reader, arch, spec, tensors)
-    weights: dict[str, torch.Tensor | RawQuant] = {}
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     experts: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
     for name, tensor in tensors.items():
         if name in ROPE_TENSORS:
@@ -303,14 +297,12 @@ def _dequantized(tensor) -> torch.Tensor:
     return torch.from_numpy(np.require(array, np.float32, ["C", "W"]))  # copies read-only memmaps
 
 
-def _weight(tensor, dequantize: bool, rows: torch.Tensor | None, shift: float) -> torch.Tensor | RawQuant:
+def _weight(tensor, dequantize: bool, rows: torch.Tensor | None, shift: float) -> torch.Tensor | QuantizedWeight:
     """One tensor, its rows reordered by `rows`, less `shift`. A quantized 2-D weight stays quantized unless
     asked otherwise; a row reorder moves whole rows of blocks, a shift needs the values."""
-    quantized = GGML_QUANT_SIZES[tensor.tensor_type][0] > 1
-    if not dequantize and quantized and len(tensor.shape) == 2 and not shift:
-        data = torch.from_numpy(np.array(tensor.data))  # [out, bytes per row], out of the memmap
-        out, inputs = (int(n) for n in reversed(tensor.shape.tolist()))
-        return RawQuant(tensor.tensor_type, (out, inputs), data if rows is None else data[rows])
+    if not dequantize and tensor.tensor_type in KERNEL_TYPES and len(tensor.shape) == 2 and not shift:
+        weight = QuantizedWeight.from_gguf(tensor)
+        return weight if rows is None else weight.permute_rows(rows)
     weight = _dequantized(tensor)
     if rows is not None:
         weight = weight[rows]

@@ -1,9 +1,11 @@
 """Model files -> (config, weights, tokenizer).
 
 Two sources: a Hugging Face directory (config.json + *.safetensors + tokenizer files), and a
-GGUF file. A GGUF file is converted once into such a directory under the cache
-(read back into Hugging Face's config and parameters by `gguf_weights`, dequantized), so every
-later start just memory-maps safetensors. Nothing is ever downloaded.
+GGUF file. A GGUF file is converted once into such a directory under the cache, so every later
+start just memory-maps safetensors: its weights either dequantized with the `gguf` package (a
+plain Hugging Face directory, which vLLM and transformers read too) or, for the engine by
+default, its quantized weights kept in their ggml blocks (`quant.QuantizedWeight`, stored as
+uint8 tensors named in the file's metadata). Nothing is ever downloaded.
 """
 
 from __future__ import annotations
@@ -17,15 +19,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from backends.builtin.worker.gguf_file import gguf_field
 from backends.builtin.worker.gguf_weights import GGUF_TO_HF_ARCH, read_gguf
 from backends.builtin.worker.models import SUPPORTED_ARCHITECTURES, model_config
 from backends.builtin.worker.models.config import ModelConfig
+from backends.builtin.worker.quant import QuantizedWeight
 from backends.default_model import default_model_path
 
 CONVERTER_VERSION = "3"  # bump when the conversion changes, to invalidate caches
+QUANTIZED = "servegate.quantized"  # safetensors metadata: {name: [ggml type, in_features]} of kept blocks
 # transformers resolves its names lazily, and two threads resolving them at once (two engines
 # starting together) can see a half-imported module: one import at a time.
 _TRANSFORMERS = threading.Lock()
@@ -78,29 +84,36 @@ def check_servable(path: str | os.PathLike | None = None) -> None:
         raise FileNotFoundError(f"{source}: neither a GGUF file nor a Hugging Face directory (no config.json)")
 
 
-def model_dir(path: str | os.PathLike | None = None, cache_dir: str | None = None) -> Path:
-    """The Hugging Face directory of a model: itself, or a GGUF file's conversion (made once)."""
+def model_dir(path: str | os.PathLike | None = None, cache_dir: str | None = None, quantized: bool = False) -> Path:
+    """The Hugging Face directory of a model: itself, or a GGUF file's conversion (made once);
+    `quantized`: the conversion that keeps the quantized weights as the file has them."""
     source = Path(path) if path else default_model_path()
     if not source.exists():
         raise FileNotFoundError(f"model not found: {source} (give a GGUF file or a Hugging Face directory)")
-    return gguf_to_hf_dir(source, cache_dir) if source.suffix == ".gguf" else source
+    return gguf_to_hf_dir(source, cache_dir, quantized) if source.suffix == ".gguf" else source
 
 
-def load_model(path: str | os.PathLike | None = None, cache_dir: str | None = None) -> LoadedModel:
+def load_model(path: str | os.PathLike | None = None, cache_dir: str | None = None,
+               quantized: bool = False) -> LoadedModel:
     source = Path(path) if path else default_model_path()
-    return LoadedModel(model_name(source), *load_hf_dir(model_dir(source, cache_dir)), source)
+    return LoadedModel(model_name(source), *load_hf_dir(model_dir(source, cache_dir, quantized)), source)
 
 
-def load_hf_dir(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], object]:
+def load_hf_dir(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight], object]:
     cfg = json.loads((directory / "config.json").read_text())
     if cfg.get("model_type") not in SUPPORTED_ARCHITECTURES:
         raise unsupported(directory, cfg.get("model_type"))
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{directory}: no *.safetensors weights")
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     for file in files:
         weights.update(load_file(file))
+        with safe_open(file, "pt") as opened:
+            kept = json.loads((opened.metadata() or {}).get(QUANTIZED, "{}"))
+        for name, (qtype, in_features) in kept.items():
+            raw = weights[name]
+            weights[name] = QuantizedWeight(GGMLQuantizationType[qtype], (raw.shape[0], in_features), raw)
     config = model_config(cfg)
     if "lm_head.weight" not in weights and not config.tie_word_embeddings:
         raise ValueError(f"{directory}: lm_head.weight is missing and embeddings are not tied")
@@ -112,18 +125,21 @@ def _cache_root(cache_dir: str | None) -> Path:
     return Path(root)
 
 
-def gguf_to_hf_dir(path: Path, cache_dir: str | None = None) -> Path:
+def gguf_to_hf_dir(path: Path, cache_dir: str | None = None, quantized: bool = False) -> Path:
     """The converted directory for `path`, converting on first use (atomically)."""
     stat = path.stat()
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERTER_VERSION}"
+    variant = "quantized" if quantized else "dequantized"
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERTER_VERSION}|{variant}"
     target = _cache_root(cache_dir) / "models" / f"{model_name(path)}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if (target / "model.safetensors").exists():
         return target
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    config, weights = read_gguf(path)
+    config, weights = read_gguf(path, dequantize=not quantized)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(weights, str(tmp / "model.safetensors"))
+    kept = {name: [w.type_name, w.shape[1]] for name, w in weights.items() if isinstance(w, QuantizedWeight)}
+    save_file({name: w.raw if isinstance(w, QuantizedWeight) else w for name, w in weights.items()},
+              str(tmp / "model.safetensors"), metadata={QUANTIZED: json.dumps(kept)})
     _write_tokenizer(path, tmp, config["max_position_embeddings"])
     if target.exists():  # another process converted it meanwhile
         shutil.rmtree(tmp)

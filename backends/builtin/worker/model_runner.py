@@ -15,7 +15,8 @@ from backends.builtin.worker.attention import AttentionMetadata, LayerKV
 from backends.builtin.worker.loader import LoadedModel
 from backends.builtin.worker.lora import LoRASlots, LoRAWeights, read_adapter
 from backends.builtin.worker.models import model_weights
-from backends.builtin.worker.models.layers import CausalLM
+from backends.builtin.worker.models.layers import CausalLM, Experts
+from backends.builtin.worker.quant import ConcatLinear, QuantEmbedding, QuantizedWeight, QuantLinear, fused_linear
 from backends.cpu import bf16_native
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -83,6 +84,54 @@ def prepacked(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, 
     return model
 
 
+def _place_quantized(model: torch.nn.Module, module: str, weight, dtype: torch.dtype, tied: bool) -> None:
+    """The module named `module` made a quantized one: the embedding table, or a Linear (its bias,
+    already loaded, kept); a tied LM head multiplies the embedding's blocks."""
+    parent_name, _, child = module.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    if isinstance(getattr(parent, child), torch.nn.Embedding):
+        setattr(parent, child, QuantEmbedding(weight, dtype))
+        if tied:
+            model.lm_head = QuantLinear(weight)
+        return
+    bias = getattr(parent, child).bias
+    if isinstance(weight, QuantizedWeight):
+        setattr(parent, child, QuantLinear(weight, bias))
+    elif all(isinstance(part, QuantizedWeight) for part in weight) and bias is None:
+        setattr(parent, child, fused_linear(weight))
+    else:  # parts of mixed kinds (one dequantized): each its own Linear, outputs concatenated
+        parts = [QuantLinear(part) if isinstance(part, QuantizedWeight) else _linear(part, dtype) for part in weight]
+        if bias is not None:
+            raise ValueError(f"{module}: a bias over parts of mixed quantization is not supported")
+        setattr(parent, child, ConcatLinear(parts))
+
+
+def _linear(weight: torch.Tensor, dtype: torch.dtype) -> torch.nn.Linear:
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=dtype)
+    linear.weight = torch.nn.Parameter(weight.to(dtype), requires_grad=False)
+    return linear
+
+
+def weight_summary(model: torch.nn.Module) -> tuple[str, int]:
+    """What the weights are stored as ("Q4_1 x210, float32 x1"), and the bytes of weights one
+    token's forward reads: every matrix it multiplies (experts: the share of them a token routes
+    to), not the embedding table, of which it reads one row."""
+    kinds: dict[str, int] = {}
+    total = 0.0
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            kinds[module.qtype.name] = kinds.get(module.qtype.name, 0) + 1
+            total += module.bytes
+        elif isinstance(module, torch.nn.Linear):
+            kind = str(module.weight.dtype).removeprefix("torch.")
+            kinds[kind] = kinds.get(kind, 0) + 1
+            total += module.weight.nbytes
+        elif isinstance(module, Experts):
+            share = model.config.num_experts_per_tok / model.config.num_experts
+            total += (module.gate_up_proj.nbytes + module.down_proj.nbytes) * share
+    return ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items())), int(total)
+
+
 def pick_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
     """The dtype, and why: `auto` takes bfloat16 where it is native (the CPU's AVX512-BF16 or AMX,
     or a CUDA device that has it), float32 elsewhere, where bf16 would be emulated."""
@@ -108,13 +157,22 @@ class ModelRunner:
         cfg = loaded.config
         with torch.device("meta"):
             model = CausalLM(cfg)
-        missing, unexpected = model.load_state_dict(model_weights(loaded.weights, cfg), strict=False, assign=True)
+        weights = model_weights(loaded.weights, cfg)
+        quantized = {name: weights.pop(name) for name in list(weights) if not isinstance(weights[name], torch.Tensor)}
+        if quantized and self.device.type != "cpu":
+            raise ValueError("a GGUF's quantized weights are multiplied on the CPU only: give --gguf-weights "
+                             f"dequantized to run on {self.device}")
+        missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
         missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
+        if cfg.tie_word_embeddings and "model.embed_tokens.weight" not in quantized:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        for name, weight in quantized.items():
+            missing.remove(name)
+            _place_quantized(model, name.removesuffix(".weight"), weight, self.dtype, cfg.tie_word_embeddings)
+        model = model.to(device=self.device, dtype=self.dtype).eval()
         if missing or unexpected:
             raise ValueError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        if cfg.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
-        model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.weights, self.weight_bytes_per_token = weight_summary(model)
         self.model = quantized(model, config.weight_quant, self.device) if config.weight_quant != "none" else \
             prepacked(model, self.dtype, self.device, native=config.attention != "torch")
         self.model.prepare(self.device, max_model_len)

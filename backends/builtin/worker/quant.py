@@ -156,6 +156,17 @@ class ConcatLinear(torch.nn.Module):
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
+class QuantEmbedding(torch.nn.Module):
+    """An embedding table kept as ggml blocks: each looked-up row dequantized, in `dtype`."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight, self.dtype = weight, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight.dequantize(ids).to(self.dtype)
+
+
 def fused_linear(weights: Sequence[QuantizedWeight], native: bool = True) -> QuantLinear | ConcatLinear:
     """One Linear over the rows of all `weights` (fused qkv, gate_up): a QuantLinear of their
     concatenation where they share a type, else a ConcatLinear of one QuantLinear each."""

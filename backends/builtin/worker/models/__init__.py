@@ -7,6 +7,7 @@ import torch
 
 from backends.builtin.worker.models import gemma, gpt_oss, llama, phi3, qwen
 from backends.builtin.worker.models.config import ModelConfig
+from backends.builtin.worker.quant import QuantizedWeight
 
 _FAMILIES = (llama, qwen, gemma, phi3, gpt_oss)
 CONFIGS = {model_type: read for family in _FAMILIES for model_type, read in family.ARCHITECTURES.items()}
@@ -28,9 +29,10 @@ def model_config(cfg: dict) -> ModelConfig:
     return read(cfg)
 
 
-def model_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+def model_weights(weights: dict[str, torch.Tensor | QuantizedWeight], config: ModelConfig) -> dict:
     """A checkpoint's state dict under the engine's parameter names: the family's own renames,
-    then the fused projections concatenated (weights and biases)."""
+    then the fused projections concatenated (weights and biases; quantized weights of one type
+    row by row, of mixed types kept as a tuple of parts)."""
     mapping = _WEIGHTS.get(config.architecture)
     packed = dict(mapping(weights, config) if mapping else weights)
     for name in list(packed):
@@ -38,5 +40,13 @@ def model_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict
             for kind in ("weight", "bias"):
                 if name.endswith(f"{parts[0]}.{kind}"):
                     prefix = name.removesuffix(f"{parts[0]}.{kind}")
-                    packed[f"{prefix}{fused}.{kind}"] = torch.cat([packed.pop(f"{prefix}{p}.{kind}") for p in parts])
+                    packed[f"{prefix}{fused}.{kind}"] = _fuse([packed.pop(f"{prefix}{p}.{kind}") for p in parts])
     return packed
+
+
+def _fuse(parts: list) -> torch.Tensor | QuantizedWeight | tuple:
+    if all(isinstance(part, torch.Tensor) for part in parts):
+        return torch.cat(parts)
+    if all(isinstance(part, QuantizedWeight) and part.qtype == parts[0].qtype for part in parts):
+        return QuantizedWeight.concat(parts)
+    return tuple(parts)
