@@ -178,11 +178,11 @@ def test_weights_read_from_a_gguf_file(tmp_path):
 
 def test_permuted_rows_undo_llama_cpps_order():
     """Q/K rows: moving whole quantized rows equals the loader's unpermute of the dequantized weight."""
-    from backends.builtin.worker.loader import unpermute
+    from backends.builtin.worker.gguf_weights import unpermute, unpermuted_rows
 
     heads, rows = 4, 64
     weight = random_weight(Q.Q4_0, rows, 96)
-    order = unpermute(torch.arange(rows).unsqueeze(1), heads).squeeze(1)
+    order = unpermuted_rows(rows, heads)
     assert torch.equal(weight.permute_rows(order).dequantize(), unpermute(weight.dequantize(), heads))
 
 

@@ -27,20 +27,25 @@ def serve(model, tmp_path) -> subprocess.CompletedProcess:
 def test_an_architecture_the_engine_lacks_ends_the_start_in_one_line(tmp_path):
     from gguf import GGUFWriter
 
-    directory = tmp_path / "qwen3"
+    directory = tmp_path / "mamba"
     directory.mkdir()
-    (directory / "config.json").write_text(json.dumps({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}))
-    gguf = tmp_path / "gemma3.gguf"
-    writer = GGUFWriter(gguf, "gemma3")
+    (directory / "config.json").write_text(json.dumps({"model_type": "mamba", "architectures": ["MambaForCausalLM"]}))
+    gguf = tmp_path / "rwkv6.gguf"
+    writer = GGUFWriter(gguf, "rwkv6")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    for model, architecture in ((directory, "qwen3"), (gguf, "gemma3")):
+    for model, architecture, served in ((directory, "mamba", "qwen3_moe"), (gguf, "rwkv6", "qwen3moe")):
         ended = serve(model, tmp_path)
         assert ended.returncode == 2 and "Traceback" not in ended.stderr
         line = next(x for x in ended.stderr.splitlines() if x.startswith("error:"))
         assert str(model) in line and f"architecture {architecture!r} is not supported" in line
-        assert "(supported: llama)" in line
+        assert "(supported: " in line and served in line and "llama" in line  # each file kind's own names
+    weightless = tmp_path / "qwen3"
+    weightless.mkdir()
+    (weightless / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    ended = serve(weightless, tmp_path)
+    assert ended.returncode == 2 and "no *.safetensors weights" in ended.stderr and "Traceback" not in ended.stderr
     missing = serve(tmp_path / "nowhere.gguf", tmp_path)
     assert missing.returncode == 2 and "model not found" in missing.stderr and "Traceback" not in missing.stderr
 

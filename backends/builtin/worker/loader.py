@@ -80,6 +80,8 @@ def check_servable(path: str | os.PathLike | None = None) -> None:
         architecture = json.loads((source / "config.json").read_text()).get("model_type")
         if architecture not in SUPPORTED_ARCHITECTURES:
             raise unsupported(source, architecture)
+        if not any(source.glob("*.safetensors")):
+            raise FileNotFoundError(f"{source}: no *.safetensors weights")
     else:
         raise FileNotFoundError(f"{source}: neither a GGUF file nor a Hugging Face directory (no config.json)")
 

@@ -16,7 +16,7 @@ PyTorch's (N, K)):
     y = QuantLinear(weight)(x)                            # x [..., K] float32/bf16 -> [..., N] in x's dtype
     rows = weight.dequantize(token_ids)                   # float32 rows: a quantized (tied) embedding's lookup
 
-`order` for the loader's `unpermute(w, heads)`: `unpermute(torch.arange(n).unsqueeze(1), heads).squeeze(1)`.
+`order` for llama.cpp's Q/K rows: `gguf_weights.unpermuted_rows(n, heads)`.
 """
 
 from __future__ import annotations
