@@ -282,15 +282,19 @@ def copy_prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_the_default_model_copies_several_tokens_a_step_and_says_the_same(make_engine, default_model):
+@pytest.mark.parametrize("dtype, attention", [("float32", "native"), ("float32", "torch"), ("auto", "auto")])
+def test_the_default_model_copies_several_tokens_a_step_and_says_the_same(make_engine, default_model, dtype,
+                                                                         attention):
+    """Batched with prompts chunked, and alone; each path (native kernels, PyTorch, and what serves
+    by default: bfloat16 where the CPU has it) against itself without speculation, token for token:
+    a verifying row is computed as a decode step computes it."""
     prompts = copy_prompts(default_model.tokenizer)
     params = SamplingParams(max_tokens=64, temperature=0.0)
-    want = outputs(make_engine(), prompts, params)
-    for attention in ("native", "torch"):  # the chunk kernel and the gather path verify alike
-        engine = make_engine(num_speculative_tokens=5, attention=attention, max_num_batched_tokens=128)
-        assert tokens(outputs(engine, prompts, params)) == tokens(want)  # batched, prompts chunked
-        alone = make_engine(num_speculative_tokens=5, attention=attention)
-        assert tokens(outputs(alone, prompts[:1], params)) == tokens(want[:1])
-        stats = alone.stats()
-        assert stats["spec_decode_accepted_tokens_total"] / stats["spec_decode_draft_tokens_total"] > 0.5
-        assert (len(want[0][0]["tokens"]) - 1) / (alone.steps - 1) > 2  # tokens per decode step, after the prefill
+    want = outputs(make_engine(dtype=dtype, attention=attention), prompts, params)
+    engine = make_engine(dtype=dtype, attention=attention, num_speculative_tokens=5, max_num_batched_tokens=128)
+    assert tokens(outputs(engine, prompts, params)) == tokens(want)
+    alone = make_engine(dtype=dtype, attention=attention, num_speculative_tokens=5)
+    assert tokens(outputs(alone, prompts[:1], params)) == tokens(want[:1])
+    stats = alone.stats()
+    assert stats["spec_decode_accepted_tokens_total"] / stats["spec_decode_draft_tokens_total"] > 0.5
+    assert (len(want[0][0]["tokens"]) - 1) / (alone.steps - 1) > 2  # tokens per decode step, after the prefill

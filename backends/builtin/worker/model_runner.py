@@ -188,7 +188,8 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.set_step([s.adapter_id for s in batch.seqs], batch.num_new_tokens, self.adapters)
         meta = AttentionMetadata.build(batch.num_new_tokens, ctx_lens, [s.block_table for s in batch.seqs],
-                                       self.block_size, self.device, self.dtype, self.use_kernel, self.chunk_kernel)
+                                       self.block_size, self.device, self.dtype, self.use_kernel, self.chunk_kernel,
+                                       per_token={i for i, seq in enumerate(batch.seqs) if seq in batch.drafts})
         logits, hidden = self.model(
             torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
             self.kv_caches, meta, torch.tensor(logits_index, dtype=torch.long, device=self.device),
