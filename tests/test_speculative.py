@@ -242,6 +242,23 @@ def test_preemption_and_aborts_leak_no_blocks(make_engine, tiny_model):
     small.abort("aborted")  # make_engine's teardown checks that no block is left behind
 
 
+def test_drafts_take_only_free_blocks_and_never_preempt(make_engine, tiny_model):
+    prompts = [[100 + i for i in range(31)], [200 + i for i in range(32)]]  # 2 blocks each, 1 of 5 left
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    want = outputs(make_engine(tiny_model, dtype="float64"), prompts, params)
+    engine = speculating(make_engine, tiny_model, want, prompts, num_kv_blocks=5)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    engine.step()
+    engine.step()  # the first's token fits its second block, the second's takes the last free one
+    # the first's drafts would need another block: it does not speculate; the second's fit its new block
+    assert engine.scheduler.num_preemptions == 0 and engine.stats()["spec_decode_drafts_total"] == 1
+    while engine.has_work:
+        engine.step()
+    engine.scheduler.proposer = Oracle([p + out[0]["tokens"] for p, out in zip(prompts, want)])
+    assert tokens(outputs(engine, prompts, params)) == tokens(want)  # preempted in turn, and speculating
+
+
 def test_a_sequence_with_a_grammar_does_not_speculate(make_engine, tiny_model):
     class Repeating:
         def propose(self, token_ids: list[int], k: int) -> list[int]:

@@ -27,10 +27,11 @@ With speculative decoding (`num_speculative_tokens`), a decoding sequence may ca
 proposed by prompt lookup (`NgramProposer`): they take budget and KV slots beside its next token
 and are verified in the same forward. A sequence whose grammar constrains its output does not
 speculate (its mask at a draft's row would need the grammar advanced by the drafts before it), nor
-does one before its first token. Drafts never preempt: where the free blocks do not hold them the
-sequence runs without. Only verified tokens reach the prefix cache: a block is registered once the
-tokens that fill it are the sequence's own, and a rejected draft's slot is written over by the
-next step (its K/V count as computed only once accepted).
+does one before its first token. Drafts are added once every running sequence has its own token:
+they take what is left of the budget and the free blocks, never preempting. Only verified tokens
+reach the prefix cache: blocks are registered when their tokens are scheduled, before any draft,
+and a rejected draft's slot is written over by the next step (its K/V count as computed only once
+accepted).
 
 After the model ran, `update_from_output` applies the step to the sequences, as vLLM v1's
 `Scheduler.update_from_output` and nano-vllm's `Scheduler.postprocess` do: the scheduler is the
@@ -128,23 +129,18 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            drafts = self._drafts(seq, budget)
-            n = min(len(seq) - seq.num_computed_tokens, budget) + len(drafts)
+            n = min(len(seq) - seq.num_computed_tokens, budget)
             while not self.kv.allocate(seq, n):
-                if drafts:  # the step goes on without them
-                    n -= len(drafts)
-                    drafts = []
-                    continue
                 self._preempt(self.running.pop())
                 preempted = True
                 if seq.status is Status.WAITING:  # it preempted itself
                     break
             else:
-                if drafts:
-                    batch.drafts[seq] = drafts
-                self._scheduled(batch, seq, n, len(drafts))
+                self._scheduled(batch, seq, n)
                 budget -= n
                 i += 1
+        if self.num_speculative_tokens:
+            budget -= self._speculate(batch, budget)
         short_first = None  # whether this step's first admitted prompt is short
         passed_over = []  # on an adapter that has no slot this step
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -175,15 +171,21 @@ class Scheduler:
         self.waiting.extendleft(reversed(passed_over))
         return batch
 
-    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
-        """Draft tokens to verify beside a decoding sequence's next token, as many as fit the budget,
-        its max_tokens and the context (none where it does not speculate)."""
-        if (not self.num_speculative_tokens or seq.matcher is not None or not seq.num_output_tokens
-                or seq.num_computed_tokens != len(seq) - 1):
-            return []
-        k = min(self.num_speculative_tokens, budget - 1, seq.params.max_tokens - seq.num_output_tokens - 1,
-                self.max_model_len - len(seq) - 1)
-        return self.proposer.propose(seq.token_ids, k)
+    def _speculate(self, batch: ScheduledBatch, budget: int) -> int:
+        """Drafts for the batch's decoding sequences, in what the running sequences' own tokens left
+        of the budget and the free blocks (drafts never preempt); returns the tokens they take."""
+        taken = 0
+        for i, seq in enumerate(batch.seqs):
+            if seq.matcher is not None or not seq.num_output_tokens or seq.num_computed_tokens != len(seq) - 1:
+                continue  # not decoding, or under a grammar
+            k = min(self.num_speculative_tokens, budget - taken, seq.params.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - len(seq) - 1)
+            drafts = self.proposer.propose(seq.token_ids, k)
+            if drafts and self.kv.allocate(seq, 1 + len(drafts)):
+                batch.drafts[seq] = drafts
+                batch.num_new_tokens[i] += len(drafts)
+                taken += len(drafts)
+        return taken
 
     def _adapter_fits(self, seq: Sequence) -> bool:
         """Whether `seq` may run beside the running sequences: no adapter, or one of theirs, or a
@@ -193,11 +195,10 @@ class Scheduler:
         adapters = {s.adapter_id for s in self.running} - {0}
         return seq.adapter_id in adapters or len(adapters) < self.max_loras
 
-    def _scheduled(self, batch: ScheduledBatch, seq: Sequence, n: int, num_drafts: int = 0) -> None:
+    def _scheduled(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
-        # the rest of this step may hit them; not a draft: unverified
-        self.kv.cache_full_blocks(seq, seq.num_computed_tokens + n - num_drafts)
+        self.kv.cache_full_blocks(seq, seq.num_computed_tokens + n)  # the rest of this step may hit them
 
     def _preempt(self, seq: Sequence) -> None:
         self.recomputed_tokens += seq.num_computed_tokens

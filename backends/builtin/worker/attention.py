@@ -5,11 +5,12 @@ in the model's dtype or in int8 with one float32 scale per token and head (absma
 A step's tokens arrive flattened (`[num_tokens, heads, head_dim]`); their K/V are first written
 to their slots. Then two paths read the cache, one call each per layer:
 
-- with the native kernels, decode tokens (one new token in their sequence) go to
-  `csrc/paged_attention.cpp` and prompt chunks to `csrc/chunk_attention.cpp`, both reading the
-  blocks in place: no gather, no padding, and a chunk attends only its causal half (but chunks
-  take the PyTorch path where `kernels.chunk_kernel_serves` says no: on AVX2; bf16 chunks on a
-  CPU with working AMX take the chunk kernel's AMX tiles);
+- with the native kernels, decode tokens (one new token in their sequence, or any token of a
+  speculating sequence, attended alone up to its position) go to `csrc/paged_attention.cpp` and
+  prompt chunks to `csrc/chunk_attention.cpp`, both reading the blocks in place: no gather, no
+  padding, and a chunk attends only its causal half (but chunks take the PyTorch path where
+  `kernels.chunk_kernel_serves` says no: on AVX2; bf16 chunks on a CPU with working AMX take the
+  chunk kernel's AMX tiles);
 - without them (`--attention torch`, or where they cannot be built) every token goes to the
   PyTorch path: each sequence's context is gathered through its block table into a padded
   batch and attended with one SDPA call under a causal mask aligned bottom-right (a chunk that
