@@ -12,6 +12,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from backends.builtin.config import EngineConfig
 from backends.builtin.core.ngram import NgramProposer
@@ -240,6 +242,29 @@ def test_preemption_and_aborts_leak_no_blocks(make_engine, tiny_model):
     while not small.scheduler.running or not small.scheduler.running[0].num_output_tokens > 3:
         small.step()
     small.abort("aborted")  # make_engine's teardown checks that no block is left behind
+
+
+@pytest.mark.slow
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    data=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 40), st.integers(1, 24)), min_size=1, max_size=6),
+    num_blocks=st.integers(8, 24),
+    budget=st.sampled_from([8, 32, 256]),
+    k=st.integers(1, 6),
+)
+def test_speculation_with_eviction_and_preemption_never_changes_outputs(make_engine, tiny_model, data, num_blocks,
+                                                                       budget, k):
+    """Random mixes of requests sharing prefixes, on a KV cache small enough to evict and preempt,
+    twice (the second round hits what the first cached): the outputs of an unconstrained engine."""
+    prefixes = [[(31 * g + i) % 49000 + 50 for i in range(16 * (g + 1))] for g in range(4)]
+    prompts = [prefixes[g][: 16 * (g + 1)] + [1000 + j for j in range(extra)] for g, extra, _ in data]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, _, m in data]
+    want = outputs(make_engine(tiny_model, dtype="float64", enable_prefix_caching=False), prompts, params)
+    need = max(-(-(len(p) + m) // 16) for p, (_, _, m) in zip(prompts, data))
+    engine = speculating(make_engine, tiny_model, want, prompts, k, num_kv_blocks=max(num_blocks, need),
+                         max_num_batched_tokens=budget)
+    for _ in range(2):
+        assert tokens(outputs(engine, prompts, params)) == tokens(want)
 
 
 def test_drafts_take_only_free_blocks_and_never_preempt(make_engine, tiny_model):
