@@ -56,6 +56,12 @@ class EngineConfig:
         "Embeddings: the prompt's final hidden states (after the last norm) pooled into one L2-normalized vector, "
         "the last token's (vLLM's default for a decoder model served with --convert embed) | the mean of all.",
         "last")
+    num_speculative_tokens: int = _help(
+        "Speculative decoding by prompt lookup (vLLM's ngram method): draft tokens a decoding sequence proposes "
+        "from an earlier occurrence of its last n-gram, verified in one forward with its next token; the output is "
+        "unchanged. 0: off.", 0)
+    prompt_lookup_min: int = _help("The shortest n-gram whose recurrence proposes drafts.", 2)
+    prompt_lookup_max: int = _help("The longest n-gram matched (the longest match proposes).", 5)
     cache_dir: str | None = _help("Converted-weights cache (default: ~/.cache/servegate).", None)
     engine_process: bool = _help("Step the engine in a process of its own (vLLM v1's engine-core split), "
                                  "so HTTP work never holds up a step; else on a thread of this process.",
@@ -68,10 +74,17 @@ class EngineConfig:
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} {getattr(self, f.name)!r} is not one of {', '.join(choices)}")
         for name in ("block_size", "kv_cache_tokens", "max_num_batched_tokens", "long_prefill_tokens", "max_num_seqs",
-                     "num_kv_blocks", "max_model_len", "max_loras", "max_lora_rank"):
+                     "num_kv_blocks", "max_model_len", "max_loras", "max_lora_rank", "prompt_lookup_min",
+                     "prompt_lookup_max"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, not {value!r}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be 0 (off) or a positive integer, "
+                             f"not {self.num_speculative_tokens!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min {self.prompt_lookup_min} is more than prompt_lookup_max "
+                             f"{self.prompt_lookup_max}")
         device = self.device.split(":")
         if device[0] not in ("auto", "cpu", "cuda") or len(device) > 2 or (len(device) == 2 and (
                 device[0] != "cuda" or not device[1].isdigit())):

@@ -12,7 +12,7 @@ from backends.base import completion_limit
 from backends.builtin.config import EngineConfig
 from backends.builtin.core.detokenizer import Detokenizer
 from backends.builtin.core.kv_cache import KVCacheManager
-from backends.builtin.core.sampler import sample
+from backends.builtin.core.sampler import accept, sample
 from backends.builtin.core.scheduler import ModelOutput, ScheduledBatch, Scheduler
 from backends.builtin.core.sequence import Sequence
 from backends.builtin.core.structured import Grammars
@@ -170,6 +170,9 @@ class LLMEngine:
             "admitted_requests_total": sched.num_admitted, "steps_total": self.steps,
             "lora_adapters_loaded": len(self.adapters),
             "lora_slot_loads_total": self.runner.lora.loads if self.runner.lora is not None else 0,
+            # Speculative decoding: steps a sequence speculated in, its draft tokens, and those accepted.
+            "spec_decode_drafts_total": sched.num_drafts, "spec_decode_draft_tokens_total": sched.num_draft_tokens,
+            "spec_decode_accepted_tokens_total": sched.num_accepted_tokens,
         }
 
     # -- the step -----------------------------------------------------------------------
@@ -194,7 +197,8 @@ class LLMEngine:
         """The model's part of a step: the batch's forward pass, then a token for each sequence
         whose prompt is now computed (an embedding request's pooled hidden states instead). Each
         further choice of an n > 1 request is forked from its prompt here, to draw its first token
-        from the same logits."""
+        from the same logits. A speculating sequence samples one row per draft and one more, and
+        keeps its drafts up to the first its row rejects, then that row's token (`accept`)."""
         if self.kv.pending_copies:
             self.runner.copy_blocks(self.kv.pending_copies)
             self.kv.pending_copies.clear()
@@ -202,13 +206,24 @@ class LLMEngine:
         self.steps += 1
         forks = {seq: [seq.fork(i) for i in range(1, seq.params.n)] for seq in done
                  if seq.params.n > 1 and seq.index == 0 and seq.num_output_tokens == 0}
-        to_sample, rows = [], []
-        for row, seq in enumerate(done):
-            group = [seq, *forks.get(seq, ())]
-            to_sample += group
-            rows += [row] * len(group)
-        tokens, logprobs = sample(logits[rows], to_sample, self.eos_token_ids) if to_sample else ([], [])
-        return ModelOutput(to_sample, tokens, logprobs, forks, pooled)
+        choices, to_sample, rows = [], [], []
+        row = 0  # the sequence's first row of logits
+        for seq in done:
+            drafts = batch.drafts.get(seq, [])  # none where it forks: it drafts once it has output
+            for choice in (seq, *forks.get(seq, ())):
+                choices.append(choice)
+                to_sample += [choice] + [choice.ahead(drafts[:i]) for i in range(1, len(drafts) + 1)]
+                rows += range(row, row + 1 + len(drafts))
+            row += 1 + len(drafts)
+        sampled, logprobs = sample(logits[rows], to_sample, self.eos_token_ids) if to_sample else ([], [])
+        tokens, token_logprobs, at = [], [], 0
+        for choice in choices:
+            drafts = batch.drafts.get(choice, [])
+            emitted = accept(drafts, sampled[at : at + 1 + len(drafts)])
+            tokens.append(emitted)
+            token_logprobs.append([lp for lp in logprobs[at : at + len(emitted)] if lp is not None])
+            at += 1 + len(drafts)
+        return ModelOutput(choices, tokens, token_logprobs, forks, pooled)
 
     # -- offline helper -----------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],

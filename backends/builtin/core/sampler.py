@@ -4,8 +4,16 @@ sampled rows temperature, min-p, top-k and top-p.
 
 Every step is a tensor operation over the rows that asked for it; a batch that asked for none of
 the extras costs one argmax. Sampled rows draw with the exponential race (argmax of p / q, q ~
-Exp(1)), as vLLM does: one draw for the whole batch, redrawn from its own generator only for a
-row with a seed, so a seeded request gets the same tokens whatever else shares its batch.
+Exp(1)), as vLLM does: one draw for the whole batch, redrawn only for a row with a seed, from a
+generator seeded by the seed, the choice and the position the row samples. So a seeded request
+gets the same tokens whatever else shares its batch, and whether or not it speculates.
+
+Speculative decoding verifies a sequence's draft tokens with one row per draft and one more, each
+row processed as if the drafts before it had been appended (`Sequence.ahead`): `accept` keeps the
+drafts while each equals what its row drew, then that row's own token. Drawing x ~ p and accepting
+the draft d iff x == d is the rule for a deterministic draft (accept d with probability p(d); on
+rejection draw from p without d, renormalized: x given x != d), so the output's distribution is
+the target's; greedy rows accept exactly the drafts the argmax would have produced.
 """
 
 from __future__ import annotations
@@ -40,6 +48,15 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[
         for row, (i, k) in enumerate(zip(logprob_rows, ks)):
             logprobs[i] = Logprob(chosen[row], tuple(zip(top_ids[row, :k].tolist(), top_values[row, :k].tolist())))
     return tokens.tolist(), logprobs
+
+
+def accept(drafts: list[int], sampled: list[int]) -> list[int]:
+    """The tokens a speculating sequence emits: its drafts while each equals the token sampled at
+    the row before it, then the token of the first row whose draft was rejected (or of the last)."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == sampled[accepted]:
+        accepted += 1
+    return sampled[: accepted + 1]
 
 
 def _bias(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int]) -> None:
@@ -97,9 +114,14 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         top_k = torch.tensor([p.top_k if p.top_k > 0 else probs.shape[-1] for p in params])
         probs = _filtered(probs, top_k, torch.tensor([p.top_p for p in params]))
     race = torch.empty_like(probs).exponential_()
-    for row, seq in enumerate(seqs):
-        if seq.generator is not None:
-            race[row].exponential_(generator=seq.generator)
+    seeded = [row for row, p in enumerate(params) if p.seed is not None]
+    if seeded:
+        generator = torch.Generator()
+        for row in seeded:
+            seq = seqs[row]
+            # mt19937 reads the seed's low 32 bits: the key is hashed into them
+            generator.manual_seed(hash((seq.params.seed + seq.index, len(seq))) & 0xFFFF_FFFF)
+            race[row].exponential_(generator=generator)
     return (probs / race).argmax(dim=-1)
 
 

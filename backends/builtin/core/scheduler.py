@@ -23,6 +23,16 @@ prompt within the same budget, it finishes once its prompt is computed, with its
 instead of a token. A mean-pooled one reads no cached prefix and, preempted, starts over: it is
 admitted only once the free blocks hold its whole prompt (vLLM schedules such a prompt whole).
 
+With speculative decoding (`num_speculative_tokens`), a decoding sequence may carry draft tokens
+proposed by prompt lookup (`NgramProposer`): they take budget and KV slots beside its next token
+and are verified in the same forward. A sequence whose grammar constrains its output does not
+speculate (its mask at a draft's row would need the grammar advanced by the drafts before it), nor
+does one before its first token. Drafts are added once every running sequence has its own token:
+they take what is left of the budget and the free blocks, never preempting. Only verified tokens
+reach the prefix cache: blocks are registered when their tokens are scheduled, before any draft,
+and a rejected draft's slot is written over by the next step (its K/V count as computed only once
+accepted).
+
 After the model ran, `update_from_output` applies the step to the sequences, as vLLM v1's
 `Scheduler.update_from_output` and nano-vllm's `Scheduler.postprocess` do: the scheduler is the
 one writer of a sequence's state (computed tokens, the choices an n > 1 request forks into,
@@ -33,12 +43,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from backends.builtin.config import EngineConfig
 from backends.builtin.core.kv_cache import KVCacheManager
+from backends.builtin.core.ngram import NgramProposer
 from backends.builtin.core.sequence import Sequence, Status
 from backends.builtin.protocol import Logprob, StepOutput
 
@@ -46,7 +57,8 @@ from backends.builtin.protocol import Logprob, StepOutput
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence]
-    num_new_tokens: list[int]  # tokens to compute for each sequence in this step
+    num_new_tokens: list[int]  # tokens to compute for each sequence in this step, its drafts included
+    drafts: dict[Sequence, list[int]] = field(default_factory=dict)  # speculated tokens, computed after its own
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
@@ -54,15 +66,16 @@ class ScheduledBatch:
 
 @dataclass
 class ModelOutput:
-    """A step's sampled tokens: one for each sequence whose prompt is now computed, and one for
+    """A step's sampled tokens: for each sequence whose prompt is now computed its next token (a
+    speculating one's accepted drafts first), with their logprobs where it asked; one token for
     each further choice of an n > 1 request, forked from that prompt to draw its first token from
     the same logits (`forks`: parent -> its new choices, which the scheduler takes in); and each
     embedding request's share of the step's final hidden states (`pooled`: its prompt's last one once
     computed, or, for mean pooling, the sum of the chunk's)."""
 
     seqs: list[Sequence]
-    tokens: list[int]
-    logprobs: list[Logprob | None]
+    tokens: list[list[int]]
+    logprobs: list[list[Logprob]]
     forks: dict[Sequence, list[Sequence]]
     pooled: dict[Sequence, torch.Tensor]
 
@@ -74,6 +87,8 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.long_prefill_tokens = config.long_prefill_tokens
         self.max_loras = config.max_loras
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.kv = kv
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -86,6 +101,7 @@ class Scheduler:
         self.recomputed_tokens = 0
         self.queue_delay_sum = 0.0  # seconds from arrival to first admission, summed
         self.num_admitted = 0
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0  # speculation, summed over steps
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request's sequence (its id unique among `requests`)."""
@@ -123,6 +139,8 @@ class Scheduler:
                 self._scheduled(batch, seq, n)
                 budget -= n
                 i += 1
+        if self.num_speculative_tokens:
+            budget -= self._speculate(batch, budget)
         short_first = None  # whether this step's first admitted prompt is short
         passed_over = []  # on an adapter that has no slot this step
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -153,6 +171,22 @@ class Scheduler:
         self.waiting.extendleft(reversed(passed_over))
         return batch
 
+    def _speculate(self, batch: ScheduledBatch, budget: int) -> int:
+        """Drafts for the batch's decoding sequences, in what the running sequences' own tokens left
+        of the budget and the free blocks (drafts never preempt); returns the tokens they take."""
+        taken = 0
+        for i, seq in enumerate(batch.seqs):
+            if seq.matcher is not None or not seq.num_output_tokens or seq.num_computed_tokens != len(seq) - 1:
+                continue  # not decoding, or under a grammar
+            k = min(self.num_speculative_tokens, budget - taken, seq.params.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - len(seq) - 1)
+            drafts = self.proposer.propose(seq.token_ids, k)
+            if drafts and self.kv.allocate(seq, 1 + len(drafts)):
+                batch.drafts[seq] = drafts
+                batch.num_new_tokens[i] += len(drafts)
+                taken += len(drafts)
+        return taken
+
     def _adapter_fits(self, seq: Sequence) -> bool:
         """Whether `seq` may run beside the running sequences: no adapter, or one of theirs, or a
         slot left for its own."""
@@ -177,12 +211,20 @@ class Scheduler:
 
     # -- applying a step's output -------------------------------------------------------
     def update_from_output(self, batch: ScheduledBatch, output: ModelOutput) -> list[StepOutput]:
-        """The step's tokens computed and sampled: computed counts advance, new choices join their
-        parent, each sampled token is appended, and its sequence finished where it stops; embedding
-        requests add up their pooled hidden states, and finish once their prompt is computed."""
+        """The step's tokens computed and sampled: computed counts advance (by a speculating
+        sequence's accepted drafts, not its rejected ones), new choices join their parent, the
+        sampled tokens are appended, and their sequence finished where it stops; embedding requests
+        add up their pooled hidden states, and finish once their prompt is computed."""
+        new_tokens = dict(zip(output.seqs, output.tokens))
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.computed_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            if drafts := batch.drafts.get(seq):
+                accepted = len(new_tokens[seq]) - 1
+                self.num_drafts += 1
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_tokens += accepted
+                n -= len(drafts) - accepted
             seq.num_computed_tokens += n
         for parent, choices in output.forks.items():
             self._take_in(parent, choices)
@@ -191,8 +233,8 @@ class Scheduler:
             seq.pooled = share if seq.pooled is None else seq.pooled + share
             if seq.num_computed_tokens == len(seq):
                 embedded.append(self._embedded(seq))
-        return embedded + [self._append(seq, token, logprob)
-                           for seq, token, logprob in zip(output.seqs, output.tokens, output.logprobs)]
+        return embedded + [self._append(seq, tokens, logprobs)
+                           for seq, tokens, logprobs in zip(output.seqs, output.tokens, output.logprobs)]
 
     def _embedded(self, seq: Sequence) -> StepOutput:
         """An embedding request's vector: its pooled hidden states L2-normalized, as vLLM's embedding
@@ -209,23 +251,29 @@ class Scheduler:
         at = self.running.index(parent) + 1
         self.running[at:at] = choices
 
-    def _append(self, seq: Sequence, token: int, logprob: Logprob | None) -> StepOutput:
-        seq.token_ids.append(token)
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[Logprob]) -> StepOutput:
+        """Append the tokens one by one, up to the first that stops the sequence: none after it is
+        emitted."""
         params = seq.params
-        reason = None
-        grammar_done = seq.matcher is not None and seq.matcher.accept(token)  # every token advances it
-        stop_token = (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
-        if grammar_done or stop_token:
-            reason = "stop"
-        elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
-            reason = "length"
-        text, stopped = seq.detokenizer.add(token, final=reason is not None, stop_token=stop_token)
-        if stopped:
-            reason = "stop"
-        if reason:
-            self._finish(seq, reason)
-        return StepOutput(seq.request_id, seq.index, text, (token,), reason, seq.num_cached_tokens,
-                          (logprob,) if logprob else ())
+        text, reason, emitted = "", None, 0
+        for token in tokens:
+            seq.token_ids.append(token)
+            emitted += 1
+            grammar_done = seq.matcher is not None and seq.matcher.accept(token)  # every token advances it
+            stop_token = (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
+            if grammar_done or stop_token:
+                reason = "stop"
+            elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+                reason = "length"
+            piece, stopped = seq.detokenizer.add(token, final=reason is not None, stop_token=stop_token)
+            text += piece
+            if stopped:
+                reason = "stop"
+            if reason:
+                self._finish(seq, reason)
+                break
+        return StepOutput(seq.request_id, seq.index, text, tuple(tokens[:emitted]), reason, seq.num_cached_tokens,
+                          tuple(logprobs[:emitted]))
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = Status.FINISHED, reason

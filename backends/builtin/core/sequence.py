@@ -1,9 +1,10 @@
-"""A sequence's state inside the engine: token ids, progress, block table, random stream, grammar
-and text, or an embedding request's pooled hidden states. After a step only the scheduler writes
-it (`Scheduler.update_from_output`)."""
+"""A sequence's state inside the engine: token ids, progress, block table, grammar and text, or an
+embedding request's pooled hidden states. After a step only the scheduler writes it
+(`Scheduler.update_from_output`)."""
 
 from __future__ import annotations
 
+import copy
 import enum
 import itertools
 import time
@@ -41,7 +42,6 @@ class Sequence:
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    generator: torch.Generator | None = None  # a seeded request's own random stream
     matcher: Matcher | None = None  # where a grammar constrains the output
     detokenizer: Detokenizer | None = None  # the output's text, made by the engine with the request's stop strings
     seq_id: int = field(default_factory=lambda: next(_ids))
@@ -58,12 +58,16 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.token_ids)
-        if self.generator is None and not self.params.greedy and self.params.seed is not None:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(self.params.seed + self.index)
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    def ahead(self, drafts: list[int]) -> Sequence:
+        """A shallow copy as it would be with `drafts` appended: what the sampler reads at the
+        verification row that follows them (penalties, min_tokens and the seeded position see them)."""
+        view = copy.copy(self)
+        view.token_ids = self.token_ids + drafts
+        return view
 
     @property
     def output_ids(self) -> list[int]:

@@ -5,11 +5,12 @@ in the model's dtype or in int8 with one float32 scale per token and head (absma
 A step's tokens arrive flattened (`[num_tokens, heads, head_dim]`); their K/V are first written
 to their slots. Then two paths read the cache, one call each per layer:
 
-- with the native kernels, decode tokens (one new token in their sequence) go to
-  `csrc/paged_attention.cpp` and prompt chunks to `csrc/chunk_attention.cpp`, both reading the
-  blocks in place: no gather, no padding, and a chunk attends only its causal half (but chunks
-  take the PyTorch path where `kernels.chunk_kernel_serves` says no: on AVX2; bf16 chunks on a
-  CPU with working AMX take the chunk kernel's AMX tiles);
+- with the native kernels, decode tokens (one new token in their sequence, or any token of a
+  speculating sequence, attended alone up to its position) go to `csrc/paged_attention.cpp` and
+  prompt chunks to `csrc/chunk_attention.cpp`, both reading the blocks in place: no gather, no
+  padding, and a chunk attends only its causal half (but chunks take the PyTorch path where
+  `kernels.chunk_kernel_serves` says no: on AVX2; bf16 chunks on a CPU with working AMX take the
+  chunk kernel's AMX tiles);
 - without them (`--attention torch`, or where they cannot be built) every token goes to the
   PyTorch path: each sequence's context is gathered through its block table into a padded
   batch and attended with one SDPA call under a causal mask aligned bottom-right (a chunk that
@@ -137,10 +138,14 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], block_size: int,
-              device: torch.device, dtype: torch.dtype, use_kernel: bool, chunk_kernel: bool = True
-              ) -> AttentionMetadata:
+              device: torch.device, dtype: torch.dtype, use_kernel: bool, chunk_kernel: bool = True,
+              per_token: set[int] | None = None) -> AttentionMetadata:
         """dtype: the queries'; use_kernel: decode tokens to the native kernel; chunk_kernel: prompt
-        chunks too (else they take the PyTorch path)."""
+        chunks too (else they take the PyTorch path); per_token: the sequences (by index) whose every
+        token is attended as a decode token is, alone up to its position: a speculating sequence's,
+        so that the rows verifying its drafts are computed as decode steps would compute them."""
+        if per_token:
+            q_lens, ctx_lens, block_tables = _split(q_lens, ctx_lens, block_tables, per_token)
         starts = torch.cumsum(torch.tensor([0] + q_lens[:-1]), 0).tolist()
         slots: list[int] = []
         for q_len, ctx, table in zip(q_lens, ctx_lens, block_tables):
@@ -172,6 +177,22 @@ class AttentionMetadata:
                                         device, dtype)
                            for group in classes.values())
         return cls(slot_mapping, gather, kernel, chunks)
+
+
+def _split(q_lens, ctx_lens, tables, per_token: set[int]) -> tuple[list[int], list[int], list[list[int]]]:
+    """The sequences in `per_token` as one of a token each, on the same blocks, its context ending
+    at the token."""
+    split_q, split_ctx, split_tables = [], [], []
+    for i, (q_len, ctx, table) in enumerate(zip(q_lens, ctx_lens, tables)):
+        if i in per_token:
+            split_q += [1] * q_len
+            split_ctx += range(ctx - q_len + 1, ctx + 1)
+            split_tables += [table] * q_len
+        else:
+            split_q.append(q_len)
+            split_ctx.append(ctx)
+            split_tables.append(table)
+    return split_q, split_ctx, split_tables
 
 
 def _pad(tables: list[list[int]]) -> torch.Tensor:

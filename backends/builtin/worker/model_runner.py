@@ -219,7 +219,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor, dict[Sequence, torch.Tensor]]:
         """Compute the batch's new tokens; returns the sequences that now need a next token, with
-        their logits ([len, vocab] float32 on the CPU), and each embedding request's share of the
+        their logits ([rows, vocab] float32 on the CPU: a row each, and one more per draft token of
+        a speculating sequence, after its own), and each embedding request's share of the
         final hidden states (float32 on the CPU): its prompt's last one once computed ("last"
         pooling), or the sum of this chunk's ("mean", added up across chunks by the scheduler)."""
         input_ids: list[int] = []
@@ -229,7 +230,8 @@ class ModelRunner:
         pooling: list[tuple[Sequence, int, int]] = []  # (sequence, its first row in hidden_index, rows)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
-            input_ids += seq.token_ids[start : start + n]
+            drafts = batch.drafts.get(seq, [])
+            input_ids += seq.token_ids[start : start + n - len(drafts)] + drafts
             positions += range(start, start + n)
             ctx_lens.append(start + n)
             if seq.pooling == "mean":
@@ -238,13 +240,14 @@ class ModelRunner:
             elif start + n == len(seq) and seq.pooling == "last":
                 pooling.append((seq, len(hidden_index), 1))
                 hidden_index.append(len(input_ids) - 1)
-            elif start + n == len(seq):
-                logits_index.append(len(input_ids) - 1)
+            elif start + n - len(drafts) == len(seq):
+                logits_index += range(len(input_ids) - 1 - len(drafts), len(input_ids))
                 done.append(seq)
         if self.lora is not None:
             self.lora.set_step([s.adapter_id for s in batch.seqs], batch.num_new_tokens, self.adapters)
         meta = AttentionMetadata.build(batch.num_new_tokens, ctx_lens, [s.block_table for s in batch.seqs],
-                                       self.block_size, self.device, self.dtype, self.use_kernel, self.chunk_kernel)
+                                       self.block_size, self.device, self.dtype, self.use_kernel, self.chunk_kernel,
+                                       per_token={i for i, seq in enumerate(batch.seqs) if seq in batch.drafts})
         logits, hidden = self.model(
             torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
             self.kv_caches, meta, torch.tensor(logits_index, dtype=torch.long, device=self.device),
