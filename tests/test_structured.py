@@ -34,7 +34,7 @@ FINISHING = {"frequency_penalty": 0.5, "extra_body": {"repetition_penalty": 1.1}
 
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory):
-    backend = BuiltinBackend(EngineConfig(dtype="float32"))
+    backend = BuiltinBackend(EngineConfig(dtype="float32", gguf_weights="dequantized"))
     with serve_app(gateway_app({backend.model_id: backend}, tmp_path_factory.mktemp("gw"))) as url:
         wait_ready(url)
         yield url
