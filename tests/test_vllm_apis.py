@@ -75,7 +75,8 @@ def cosine(a: list[float], b: list[float]) -> float:
 def embedders(vllm_embed_url, tmp_path_factory):
     backends = {"smollm2-embed": VLLMBackend(OpenAICompatConfig(base_url=vllm_embed_url, model="smollm2-embed",
                                                                 embeddings=True), "vllm-embed"),
-                "engine": BuiltinBackend(EngineConfig(dtype="float32", served_name="engine"), "engine")}
+                "engine": BuiltinBackend(EngineConfig(dtype="float32", served_name="engine",
+                                                      gguf_weights="dequantized"), "engine")}
     with serve_app(gateway_app(backends, tmp_path_factory.mktemp("gw"))) as url:
         wait_ready(url)
         sdk = openai.OpenAI(base_url=f"{url}/v1", api_key=ADMIN_KEY, max_retries=0)
