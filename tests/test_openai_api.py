@@ -26,7 +26,7 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def backend():
-    return BuiltinBackend(EngineConfig(engine_process=False))  # the tests read its engine
+    return BuiltinBackend(EngineConfig(engine_process=False, gguf_weights="dequantized"))  # the tests read its engine
 
 
 @pytest.fixture(scope="module")
