@@ -158,15 +158,15 @@ class ModelRunner:
         with torch.device("meta"):
             model = CausalLM(cfg)
         weights = model_weights(loaded.weights, cfg)
-        quantized = {name: weights.pop(name) for name in list(weights) if not isinstance(weights[name], torch.Tensor)}
-        if quantized and self.device.type != "cpu":
+        blocks = {name: weights.pop(name) for name in list(weights) if not isinstance(weights[name], torch.Tensor)}
+        if blocks and self.device.type != "cpu":
             raise ValueError("a GGUF's quantized weights are multiplied on the CPU only: give --gguf-weights "
                              f"dequantized to run on {self.device}")
         missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
         missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
-        if cfg.tie_word_embeddings and "model.embed_tokens.weight" not in quantized:
+        if cfg.tie_word_embeddings and "model.embed_tokens.weight" not in blocks:
             model.lm_head.weight = model.model.embed_tokens.weight
-        for name, weight in quantized.items():
+        for name, weight in blocks.items():
             missing.remove(name)
             _place_quantized(model, name.removesuffix(".weight"), weight, self.dtype, cfg.tie_word_embeddings)
         model = model.to(device=self.device, dtype=self.dtype).eval()
