@@ -29,7 +29,7 @@ log = logging.getLogger("servegate.kernels")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [str(CSRC / name) for name in
            ("paged_attention.cpp", "chunk_attention.cpp", "layer_ops.cpp", "bf16_linear.cpp", "lora.cpp",
-                             "quant_linear.cpp", "module.cpp")]
+                             "quant_linear.cpp", "decode_layers.cpp", "module.cpp")]
 _lock = threading.Lock()
 _module = None
 _failed: str | None = None

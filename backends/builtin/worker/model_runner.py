@@ -15,6 +15,7 @@ from backends.builtin.worker.attention import AttentionMetadata, LayerKV
 from backends.builtin.worker.loader import LoadedModel
 from backends.builtin.worker.lora import LoRASlots, LoRAWeights, read_adapter
 from backends.builtin.worker.models import model_weights
+from backends.builtin.worker.models.fused import FusedDecode
 from backends.builtin.worker.models.layers import CausalLM, Experts
 from backends.builtin.worker.quant import ConcatLinear, QuantEmbedding, QuantizedWeight, QuantLinear, fused_linear
 from backends.cpu import bf16_native
@@ -60,6 +61,11 @@ class PairedLinear(torch.nn.Module):
         self.weight = linear.weight.detach().view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
         self.bias = linear.bias
         self.ops = ops
+
+    @property
+    def native_projection(self) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+        """(kind, weight, bias) as `csrc/decode_layers.cpp` takes a projection: -1, the paired kind."""
+        return -1, self.weight, self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.bf16_linear(x.contiguous(), self.weight, self.bias)
@@ -181,6 +187,7 @@ class ModelRunner:
         self.config, self.max_lora_rank = cfg, config.max_lora_rank
         self.lora = LoRASlots(self.model, cfg, config.max_loras, config.max_lora_rank, self.dtype, self.device,
                               self.model.ops) if config.enable_lora else None
+        self.model.fused_decode = FusedDecode.of(self.model)  # after LoRA has wrapped the projections it adapts
         self.adapters: dict[int, LoRAWeights] = {}  # in host memory, by adapter id
         int8 = config.kv_cache_dtype == "int8"
         self.kv_caches = [

@@ -19,6 +19,11 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor weight, int64_t type, 
 torch::Tensor quant_dequantize(torch::Tensor weight, int64_t type);
 void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor slots,
               torch::Tensor widths, torch::Tensor offsets);
+std::vector<torch::Tensor> decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
+                                         torch::Tensor block_tables, torch::Tensor positions,
+                                         std::vector<torch::Tensor> caches, std::vector<torch::Tensor> layers,
+                                         std::vector<int64_t> kinds, int64_t heads, int64_t kv_heads, double eps,
+                                         double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Exact attention over a paged KV cache (CPU)");
@@ -39,5 +44,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("type"), py::arg("bias") = py::none());
   m.def("quant_dequantize", &quant_dequantize, "The float32 values [N, K] of a weight in ggml blocks",
         py::arg("weight"), py::arg("type"));
+  m.def("decode_layers", &decode_layers,
+        "A decode step's Llama-shaped decoder layers on native projections, in one call (CPU)");
   m.def("lora_add", &lora_add, "y += LoRA(x), each token on its adapter's slot (float32 or bf16 x and y)");
 }

@@ -234,6 +234,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.inv_freqs: dict[Rope, torch.Tensor] = {}  # fp32 RoPE frequencies, set by `prepare`
         self.ops = None  # the native element-wise ops (kernels.layer_ops), set by the runner where they serve
+        self.fused_decode = None  # the layers in one native call for decode steps (fused.FusedDecode), likewise
 
     def prepare(self, device: torch.device, max_len: int) -> None:
         """Settle what depends on where and how long the model runs: RoPE frequencies (fp32, as
@@ -263,9 +264,12 @@ class CausalLM(nn.Module):
         if self.config.embed_scale:
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         rotary = {rope: rope.cos_sin(inv_freq, positions, x.dtype) for rope, inv_freq in self.inv_freqs.items()}
-        residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, *rotary[layer.rope], kv_cache, meta, self.ops)
+        if self.fused_decode is not None and self.fused_decode.serves(meta, kv_caches):
+            x, residual = self.fused_decode(x, *next(iter(rotary.values())), kv_caches, meta)
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.model.layers, kv_caches):
+                x, residual = layer(x, residual, *rotary[layer.rope], kv_cache, meta, self.ops)
         index = torch.cat((logits_index, hidden_index))
         x, _ = self.model.norm(x[index], residual[index], self.ops)
         logits = self.lm_head(x[: len(logits_index)]).float()
