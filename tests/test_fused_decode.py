@@ -44,7 +44,7 @@ def served_logits(engine) -> list[torch.Tensor]:
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     for i, length in enumerate((5, 40, 130)):
         engine.add_request(f"r{i}", [(i * 31 + j * 7) % 40000 + 100 for j in range(length)], params)
-    for step in range(3):
+    for _ in range(3):
         engine.step()
     engine.add_request("late", [(j * 13) % 40000 + 100 for j in range(24)], params)
     while engine.has_work:
