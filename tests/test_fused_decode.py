@@ -53,8 +53,8 @@ def served_logits(engine) -> list[torch.Tensor]:
     return seen
 
 
-def assert_fused_equals_layers(make_engine, loaded=None, **config) -> int:
-    """The decode steps the fused engine computed in one call (its logits equal to the other's)."""
+def assert_fused_equals_layers(make_engine, loaded=None, **config):
+    """The engine whose decode steps ran in one call (its logits equal to the other's), once checked."""
     fused, layered = make_engine(loaded, **config), make_engine(loaded, **config)
     assert fused.runner.model.fused_decode is not None
     fused.runner.model.fused_decode = counting = Counting(fused.runner.model.fused_decode)
@@ -64,7 +64,7 @@ def assert_fused_equals_layers(make_engine, loaded=None, **config) -> int:
     for step, (a, b) in enumerate(zip(ours, reference)):
         assert torch.equal(a, b), f"step {step}: logits differ by up to {(a - b).abs().max().item()}"
     assert counting.calls >= 6  # the steps of decode tokens only
-    return counting.calls
+    return fused
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +76,11 @@ def stored_default():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_default_models_blocks_decode_in_one_call(make_engine, stored_default, dtype):
     assert_fused_equals_layers(make_engine, stored_default, dtype=dtype)
+
+
+def test_speculations_rows_decode_in_one_call(make_engine, stored_default):
+    fused = assert_fused_equals_layers(make_engine, stored_default, num_speculative_tokens=3)
+    assert fused.stats()["spec_decode_draft_tokens_total"] > 0  # rows verifying drafts were among its steps
 
 
 def test_biased_projections_decode_in_one_call(make_engine, default_model_dir, tmp_path):

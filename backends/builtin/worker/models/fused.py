@@ -1,8 +1,9 @@
 """A decode step's decoder layers in one native call (`csrc/decode_layers.cpp`), where every layer
 has the Llama shape and every projection is a native one: the same kernels the layers' own
 forwards call, without a dozen Python calls a layer around them. The model's forward takes it for
-steps of decode tokens only; anything else (prompt chunks, speculation's rows, LoRA's wrapped
-projections, windows, q/k norms, experts, an int8 KV cache) keeps the layers' own path."""
+steps of decode tokens only (a speculating sequence's rows among them: each is attended as a decode
+token); prompt chunks, LoRA's wrapped projections, windows, q/k norms, experts and an int8 KV cache
+keep the layers' own path."""
 
 from __future__ import annotations
 
