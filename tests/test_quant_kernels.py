@@ -127,6 +127,20 @@ def test_integer_kernels_equal_their_arithmetic(qtype):
             assert (np.abs(y - expected) <= scale * 1e-6 + 1e-6).all(), (k, m, np.abs(y - expected).max())
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_bf16_tiles_are_the_weights_rounded(qtype):
+    """From the rows where bf16 x multiplies the weight dequantized to bf16, one-hot rows of x give
+    the weight itself: each value gguf's, rounded to bf16."""
+    rows = native().quant_linear_dequantized_rows()
+    if not rows:
+        pytest.skip("this build has no bf16 path (no AVX512-BF16)")
+    for k in columns(qtype):
+        weight = random_weight(qtype, N, k)
+        eye = torch.eye(max(k, rows), k, dtype=torch.bfloat16)
+        y = native().quant_linear(eye, weight.raw, int(qtype))[:k]
+        assert torch.equal(y, torch.from_numpy(reference(weight).astype(np.float32)).to(torch.bfloat16).T)
+
+
 @pytest.mark.parametrize("native_path", [True, False], ids=["native", "pytorch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
