@@ -5,7 +5,8 @@ Weights: Q8_0, Q4_0, Q4_1 quantized by `gguf.quants.quantize`; Q4_K and Q6_K (wh
 quantize) random blocks with sane fp16 scales. The reference is gguf's dequantized weight times x
 (as given, float32 or bf16) in float64. Three paths: the integer kernels (x quantized to int8 per
 block: an error of at most half a step, max |x of the block| / 254, per element), the bf16 one a
-prompt's rows take where AVX512-BF16 is built (weights rounded to bf16), and the PyTorch fallback.
+batch's or a prompt's rows take from 16 where AVX512-BF16 is built (weights rounded to bf16: the native
+bf16 tiles up to 127 rows, oneDNN's GEMM from 128), and the PyTorch fallback.
 
 Max errors measured on an AMD EPYC Zen 4 (AVX512-VNNI, AVX512-BF16), over M in 1, 3, 8, 33, 100 and
 the Ks below, relative to the largest |reference| output (absolute: the weights' scales set them; Q8_0,
@@ -41,8 +42,9 @@ from backends.builtin.worker.quant import (
 Q = GGMLQuantizationType
 TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K]
 K_QUANTS = (Q.Q4_K, Q.Q6_K)
-ROWS = (1, 3, 8, 33, 100)
-N = 40  # not a whole number of the kernels' 16-row tiles
+ROWS = (1, 3, 8, 33, 100, 130)  # bf16 x: the integer kernels, the native bf16 tiles (16-127), oneDNN (128+)
+N = 40  # not a whole number of the kernels' 16-row tiles (bf16 x from 16 rows then takes oneDNN's GEMM)
+TILED = 48  # a whole number of them (bf16 x from 16 rows takes the native bf16 tiles)
 
 
 def columns(qtype) -> tuple[int, ...]:
@@ -130,15 +132,19 @@ def test_integer_kernels_equal_their_arithmetic(qtype):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_bf16_tiles_are_the_weights_rounded(qtype):
     """From the rows where bf16 x multiplies the weight dequantized to bf16, one-hot rows of x give
-    the weight itself: each value gguf's, rounded to bf16."""
+    the weight itself, each value gguf's rounded to bf16: on the native tiles (their layout) and on
+    oneDNN's GEMM."""
     rows = native().quant_linear_dequantized_rows()
     if not rows:
         pytest.skip("this build has no bf16 path (no AVX512-BF16)")
-    for k in columns(qtype):
-        weight = random_weight(qtype, N, k)
-        eye = torch.eye(max(k, rows), k, dtype=torch.bfloat16)
-        y = native().quant_linear(eye, weight.raw, int(qtype))[:k]
-        assert torch.equal(y, torch.from_numpy(reference(weight).astype(np.float32)).to(torch.bfloat16).T)
+    for n in (N, TILED):
+        for k in columns(qtype):
+            weight = random_weight(qtype, n, k)
+            expected = torch.from_numpy(reference(weight).astype(np.float32)).to(torch.bfloat16).T
+            for chunk in (rows, 33, 128):  # calls of that many rows: the tiles' (below 128) or oneDNN's
+                eye = torch.eye(-(-k // chunk) * chunk, k, dtype=torch.bfloat16)  # rows past k: zeros
+                y = torch.cat([native().quant_linear(part, weight.raw, int(qtype)) for part in eye.split(chunk)])
+                assert torch.equal(y[:k], expected), (n, k, chunk)
 
 
 @pytest.mark.parametrize("native_path", [True, False], ids=["native", "pytorch"])
@@ -149,14 +155,14 @@ def test_quant_linear_within_its_rounding(qtype, dtype, native_path):
         native()
     rng = np.random.default_rng(2)
     worst_abs = worst = 0.0
-    for k in columns(qtype):
-        weight = random_weight(qtype, N, k)
+    for n, k in [(n, k) for n in (N, TILED) for k in columns(qtype)]:
+        weight = random_weight(qtype, n, k)
         layer = QuantLinear(weight, native=native_path)
         w = reference(weight)
         for m in ROWS:
             x = torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32)).to(dtype)
             y = layer(x)
-            assert y.dtype == dtype and y.shape == (m, N)
+            assert y.dtype == dtype and y.shape == (m, n)
             x64 = x.double().numpy()
             expected = x64 @ w.T
             error = np.abs(y.double().numpy() - expected)

@@ -11,9 +11,10 @@
 // sums stay in 16 lanes until a weight row ends. Each weight row is decoded once for up to 8 rows of
 // x, and a tile of weight rows stays in cache while every group of 8 rows passes over it.
 //
-// A prompt's many rows of bf16 x, where AVX512-BF16 is built, take another path: the weight is
-// dequantized to bf16 a tile of rows at a time and multiplied by oneDNN's GEMM, which at 16 rows and
-// more outruns the integer kernels (each of their products pays for its block's float scale).
+// From 16 rows of bf16 x on (a batch of decode tokens, a prompt), where AVX512-BF16 is built, the
+// weight is dequantized to bf16 a slice of rows at a time instead and multiplied by bf16 GEMMs (the
+// native tiles of bf16_tiles.h, or from 128 rows oneDNN's), which then outrun the integer kernels
+// (each of their products pays for its block's float scale).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -34,6 +35,7 @@
 #if defined(QUANT_AVX512) || defined(QUANT_AVX2) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+#include "bf16_tiles.h"
 
 namespace {
 
@@ -696,14 +698,78 @@ void multiply(const QuantizedRows& x, int64_t M, const uint8_t* w, int64_t type,
 }
 
 #if defined(QUANT_AVX512) && defined(__AVX512BF16__)
-// From this many rows of bf16 x on, the weight is dequantized to bf16, a tile of its rows at a time,
-// for oneDNN's GEMM (VDPBF16PS, or AMX tiles where they run): once enough rows share the decoding,
-// faster than the integer kernels, whose every product pays for its block's float scale.
+// From this many rows of bf16 x on (a batch of decode tokens, or a prompt), the weight is
+// dequantized to bf16 a slice at a time and multiplied by bf16 GEMMs: once enough rows share the
+// decoding, faster than the integer kernels, whose every product pays for its block's float scales.
+// Up to kGemmRows the slices are laid out for the native bf16 tiles (bf16_tiles.h), above it they
+// go to oneDNN's GEMM (VDPBF16PS, or AMX tiles where they run), faster at a prompt's hundreds of
+// rows but at a few dozen not half as fast as the tiles.
 constexpr int64_t kDequantizedRows = 16;
-constexpr int64_t kTileElements = int64_t(1) << 22;  // 8 MiB of bf16 scratch at most
+constexpr int64_t kGemmRows = 128;
+constexpr int64_t kItemBlocks = 6;                   // the tiles' column blocks of 16 per work item
+constexpr int64_t kTileElements = int64_t(1) << 22;  // oneDNN's slices: 8 MiB of bf16 scratch at most
 
-void dequantized_multiply(const torch::Tensor& x, const uint8_t* w, int64_t type, int64_t K, int64_t N,
-                          int64_t row_bytes, torch::Tensor& y) {
+// 16 registers of 16 int32, rows to columns: r[i][j] becomes r[j][i].
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {  // pairs of rows interleaved: lane L of t[2i] holds rows 2i, 2i + 1 at 4L, 4L + 1
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  __m512i u[16];  // u[4g + c], lane L: column 4L + c of rows 4g to 4g + 3
+  for (int g = 0; g < 4; ++g) {
+    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // column 4L + c: lane L of u[c], u[4 + c], u[8 + c], u[12 + c]
+    const __m512i a = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), b = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i e = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), f = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(a, e, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(a, e, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(b, f, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(b, f, 0xDD);
+  }
+}
+
+// The weight's column blocks [first, last) of 16 rows each dequantized into the tiles' layout
+// ([block][K/2][16][2]) at `paired`, 16 rows at a time through `scratch` (16 rows of K).
+void dequantize_paired(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t K, int64_t first, int64_t last,
+                       at::BFloat16* scratch, at::BFloat16* paired) {
+  const int64_t pairs = K / 2;  // K: whole blocks, so whole runs of 16 pairs
+  const int32_t* rows = reinterpret_cast<const int32_t*>(scratch);
+  for (int64_t block = first; block < last; ++block) {
+    for (int64_t j = 0; j < 16; ++j) dequantize_row(type, w + (block * 16 + j) * row_bytes, K, scratch + j * K);
+    int32_t* out = reinterpret_cast<int32_t*>(paired + (block - first) * pairs * 32);
+    for (int64_t p = 0; p < pairs; p += 16) {
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(rows + j * pairs + p);
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + (p + i) * 16, r[i]);
+    }
+  }
+}
+
+void paired_multiply(const at::BFloat16* x, int64_t M, const uint8_t* w, int64_t type, int64_t K, int64_t N,
+                     int64_t row_bytes, const float* bias, at::BFloat16* y) {
+  using namespace bf16_tiles;
+  const int64_t pairs = K / 2, blocks = N / kBlock, groups = (M + kGroup - 1) / kGroup;
+  const std::vector<int32_t> rows = pair_rows(x, M, pairs);
+  at::parallel_for(0, (blocks + kItemBlocks - 1) / kItemBlocks, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<at::BFloat16> scratch, paired;  // a work item's slice, in the core's cache
+    scratch.resize(kBlock * K);
+    paired.resize(kItemBlocks * kBlock * K);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t first = item * kItemBlocks, last = std::min(blocks, first + kItemBlocks);
+      dequantize_paired(type, w, row_bytes, K, first, last, scratch.data(), paired.data());
+      multiply_blocks(rows.data(), M, 0, groups, pairs, paired.data(), first, last, bias, y, N);
+    }
+  });
+}
+
+void gemm_multiply(const torch::Tensor& x, const uint8_t* w, int64_t type, int64_t K, int64_t N, int64_t row_bytes,
+                   torch::Tensor& y) {
   const int64_t tile_rows = std::min(N, std::max<int64_t>(16, kTileElements / K));
   thread_local torch::Tensor scratch;  // reused, as the integer kernels' QuantizedRows
   if (!scratch.defined() || scratch.numel() < tile_rows * K) scratch = torch::empty({tile_rows * K}, x.options());
@@ -772,7 +838,11 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor weight, int64_t type, 
   const uint8_t* w = weight.data_ptr<uint8_t>();
 #if defined(QUANT_AVX512) && defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16 && M >= kDequantizedRows) {
-    dequantized_multiply(x, w, type, K, N, weight.size(1), y);
+    if (M < kGemmRows && N % bf16_tiles::kBlock == 0) {
+      paired_multiply(x.data_ptr<at::BFloat16>(), M, w, type, K, N, weight.size(1), b, y.data_ptr<at::BFloat16>());
+      return y;
+    }
+    gemm_multiply(x, w, type, K, N, weight.size(1), y);
     if (b) y.add_(*bias);
     return y;
   }
