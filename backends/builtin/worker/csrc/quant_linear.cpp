@@ -13,7 +13,7 @@
 //
 // From 16 rows of bf16 x on (a batch of decode tokens, a prompt), where AVX512-BF16 is built, the
 // weight is dequantized to bf16 a slice of rows at a time instead and multiplied by bf16 GEMMs (the
-// native tiles of bf16_tiles.h, or from 128 rows oneDNN's), which then outrun the integer kernels
+// native tiles of bf16_tiles.h, or from 32 rows oneDNN's), which then outrun the integer kernels
 // (each of their products pays for its block's float scale).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -701,11 +701,11 @@ void multiply(const QuantizedRows& x, int64_t M, const uint8_t* w, int64_t type,
 // From this many rows of bf16 x on (a batch of decode tokens, or a prompt), the weight is
 // dequantized to bf16 a slice at a time and multiplied by bf16 GEMMs: once enough rows share the
 // decoding, faster than the integer kernels, whose every product pays for its block's float scales.
-// Up to kGemmRows the slices are laid out for the native bf16 tiles (bf16_tiles.h), above it they
-// go to oneDNN's GEMM (VDPBF16PS, or AMX tiles where they run), faster at a prompt's hundreds of
-// rows but at a few dozen not half as fast as the tiles.
+// Below kGemmRows (a batch of decode tokens) the slices are laid out for the native bf16 tiles
+// (bf16_tiles.h), from it (a prompt's chunks) they go to oneDNN's GEMM (VDPBF16PS, or AMX tiles where
+// they run): at 16 rows oneDNN ran [16, 576] x [576, 3072] at about a third of the tiles' speed.
 constexpr int64_t kDequantizedRows = 16;
-constexpr int64_t kGemmRows = 128;
+constexpr int64_t kGemmRows = 32;
 constexpr int64_t kItemBlocks = 6;                   // the tiles' column blocks of 16 per work item
 constexpr int64_t kTileElements = int64_t(1) << 22;  // oneDNN's slices: 8 MiB of bf16 scratch at most
 
