@@ -121,10 +121,10 @@ class QuantLinear(torch.nn.Module):
         return QuantizedWeight(self.qtype, (self.out_features, self.in_features), self.raw)
 
     @property
-    def native_projection(self) -> tuple[int | None, torch.Tensor, torch.Tensor | None]:
-        """(kind, weight, bias) as `csrc/decode_layers.cpp` takes a projection: the ggml type id
-        (None where the native kernels are off)."""
-        return (self.type_id if self.ops is not None else None), self.raw, self.bias
+    def native_projection(self) -> tuple[int, torch.Tensor, torch.Tensor | None] | None:
+        """(kind, weight, bias) as `csrc/decode_layers.cpp` takes a projection: the ggml type id;
+        None where the native kernels are off."""
+        return None if self.ops is None else (self.type_id, self.raw, self.bias)
 
     @property
     def bytes(self) -> int:

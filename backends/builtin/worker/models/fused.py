@@ -17,7 +17,7 @@ def _projection(linear: torch.nn.Module) -> tuple[int, torch.Tensor, torch.Tenso
     """(kind, weight, bias or an empty tensor) of a native projection (one with `native_projection`:
     GGUF blocks, or bf16 pairs), None for any other."""
     native = getattr(linear, "native_projection", None)
-    if native is None or native[0] is None:
+    if native is None:
         return None
     kind, weight, bias = native
     return kind, weight, bias if bias is not None else torch.empty(0)
