@@ -11,8 +11,8 @@ bf16 tiles up to 31 rows, oneDNN's GEMM from 32), and the PyTorch fallback.
 Max errors measured on an AMD EPYC Zen 4 (AVX512-VNNI, AVX512-BF16), over M in ROWS, N 40 and 48, and
 the Ks below, relative to the largest |reference| output (absolute: the weights' scales set them; Q8_0,
 Q4_0, Q4_1 outputs reach about 90, the random K-quant blocks' several hundred):
-    native, float32 x (integer kernels): Q8_0 9.7e-3 (abs 0.87), Q4_0 1.1e-2 (0.87), Q4_1 1.0e-2 (0.89),
-        Q4_K 8.6e-3 (5.1), Q6_K 8.5e-3 (16)
+    native, float32 x (integer kernels): Q8_0 6.9e-3 (abs 0.87), Q4_0 6.7e-3 (0.84), Q4_1 6.7e-3 (0.89),
+        Q4_K 9.4e-3 (5.3), Q6_K 9.9e-3 (23)
     native, bf16 x (integer kernels below 16 rows, bf16 GEMMs from 16; output bf16): Q8_0 8.7e-3,
         Q4_0 8.0e-3, Q4_1 8.4e-3, Q4_K 1.0e-2, Q6_K 1.1e-2
     PyTorch fallback: float32 at most 7.4e-7, bf16 4.3e-3 (its weight and output rounded to bf16)
