@@ -20,6 +20,8 @@ from decimal import Decimal
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+import msgspec
+
 
 @dataclass(frozen=True)
 class Tokenized:
@@ -30,10 +32,12 @@ class Tokenized:
 @dataclass(frozen=True)
 class Adapter:
     """A LoRA adapter of a backend's base model: the name requests use, where its weights lie (a
-    PEFT directory, or a GGUF LoRA file from llama.cpp's converter, for the runtimes that read one)."""
+    PEFT directory, or a GGUF LoRA file from llama.cpp's converter, for the runtimes that read one),
+    and the SHA-256 those files must still have (`adapter_files.snapshot`; None: not checked)."""
 
     name: str
     path: str
+    digest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,9 @@ class GenerateRequest:
     # The LoRA adapter to apply, by the name its backend knows it (`Backend.load_adapter`); None:
     # the base model.
     adapter: str | None = None
+    # Whose request it is (the gateway sets the tenant's name): an engine shares its steps fairly
+    # between tenants. Never sent upstream.
+    tenant: str | None = None
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
@@ -84,6 +91,7 @@ class EmbedRequest:
     model: str = ""
     dimensions: int | None = None
     cache_salt: str | None = None
+    tenant: str | None = None  # as `GenerateRequest.tenant`
 
     def __post_init__(self) -> None:
         if not self.inputs:
@@ -342,6 +350,13 @@ def prompt_text_bytes(request: GenerateRequest) -> int:
             size += sum(len(part["text"].encode()) for part in content
                         if isinstance(part, dict) and isinstance(part.get("text"), str))
     return size
+
+
+def request_bytes(request: GenerateRequest) -> int:
+    """The JSON bytes of what a request carries to a runtime besides its settings: the prompt (text,
+    ids or messages, however they were assembled) and the pass-through fields (tools, formats)."""
+    return len(msgspec.json.encode([request.prompt, request.prompt_token_ids, request.messages, request.extra],
+                                   enc_hook=str))
 
 
 def prompt_upper_bound(request: GenerateRequest) -> int:

@@ -10,6 +10,7 @@ a final chunk without choices. Runtime adapters (vLLM, SGLang, ...) are profiles
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -44,6 +45,10 @@ from .base import (
     reported_count,
 )
 from .constraints import respelled
+
+# An answer this large is decoded and checked on a worker thread: megabytes of vectors take tens of
+# milliseconds, which every other request on the event loop would wait out.
+LARGE_ANSWER_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -236,7 +241,10 @@ class OpenAICompatBackend(Backend):
                 answer = await response.read()
                 if response.status >= 400:
                     raise self.error_for_status(response.status, answer)
-        return embeddings_of(answer, len(request.inputs), request.dimensions, self.name)
+        checked = (answer, len(request.inputs), request.dimensions, self.name)
+        if len(answer) > LARGE_ANSWER_BYTES:
+            return await asyncio.to_thread(embeddings_of, *checked)
+        return embeddings_of(*checked)
 
     # -- introspection ----------------------------------------------------------------------
     async def _model_max_len(self) -> int:
@@ -377,14 +385,25 @@ class _EmbeddingsAnswer(msgspec.Struct):
     usage: dict | None = None
 
 
+class _EmbeddingsOutline(msgspec.Struct):
+    """An answer with its vectors left undecoded, each then decoded on its own: no one call holds
+    the GIL (and the event loop) for megabytes of floats."""
+    data: list[msgspec.Raw]
+    usage: dict | None = None
+
+
 def embeddings_of(answer: bytes | dict, inputs: int, dimensions: int | None, who: str) -> Embeddings:
     """An embeddings answer in OpenAI's shape (JSON, or a client library's dict: `data`, each
     `{embedding, index}`, and `usage`) checked: one vector per input, in `index` order, all finite
     and of one length (`dimensions`, where asked); its usage's prompt tokens by `reported_count`.
     Anything else is the upstream's fault (UpstreamError), never a crash or a wrong answer."""
     try:
-        parsed = msgspec.json.decode(answer, type=_EmbeddingsAnswer) if isinstance(answer, bytes) else \
-            msgspec.convert(answer, _EmbeddingsAnswer)
+        if isinstance(answer, bytes):
+            outline = msgspec.json.decode(answer, type=_EmbeddingsOutline)
+            parsed = _EmbeddingsAnswer([msgspec.json.decode(item, type=_Vector) for item in outline.data],
+                                       outline.usage)
+        else:
+            parsed = msgspec.convert(answer, _EmbeddingsAnswer)
     except msgspec.DecodeError as exc:  # not JSON (a bare NaN), or not this shape
         raise UpstreamError(f"{who}: the embeddings answer is malformed: {exc}") from exc
     data = parsed.data

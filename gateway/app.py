@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import random
 from collections.abc import Callable
@@ -116,6 +117,7 @@ def create_app(backends: dict[str, Backend], settings: Settings | None = None, d
         async def start(name: str, backend: Backend) -> None:
             try:
                 await backend.start()
+                gc.freeze()  # what start-up made lives on: full collections no longer walk it (pauses of 100s of ms)
             except Exception as exc:
                 gateway.failed_to_start[name] = f"{name}: {exc}"
                 if isinstance(exc, (OSError, ValueError)):  # the model's own fault: its message says it all
@@ -144,7 +146,7 @@ def create_app(backends: dict[str, Backend], settings: Settings | None = None, d
     app = FastAPI(title="servegate", version="0.1.0", lifespan=lifespan, **docs)
     app.state.gateway = gateway
     app.add_middleware(LargeBodyGate, gateway=gateway, threshold=settings.gate_body_bytes)
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, upload_limit=settings.file_max_bytes)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, upload_limit=settings.file_max_bytes + FORM_BYTES)
     if tracer_provider is not None:  # outermost: a refused body is traced too
         app.add_middleware(TraceRequests, tracer=tracer_provider.get_tracer(TRACER_NAME))
     install_error_handlers(app)
@@ -157,6 +159,7 @@ def create_app(backends: dict[str, Backend], settings: Settings | None = None, d
 
 CONSOLE = Path(__file__).parent / "console"
 UPLOADS = "/v1/files"  # the one route whose body may be a file (`Settings.file_max_bytes`)
+FORM_BYTES = 64 * 1024  # an upload's form fields and multipart framing, around the file itself
 
 
 class Console(StaticFiles):

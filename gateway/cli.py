@@ -360,7 +360,8 @@ def adapters_add(
     """Register a LoRA adapter; every replica serves it within the refresh interval."""
     from pydantic import ValidationError
 
-    from gateway.tenancy.adapters import AdapterIn, create_adapter
+    from gateway.settings import Settings
+    from gateway.tenancy.adapters import AdapterIn, AdapterStore, create_adapter
     from gateway.tenancy.tenants import cli_actor
 
     with _session() as session:
@@ -369,7 +370,7 @@ def adapters_add(
                              rpm=rpm, tpm=tpm, daily_budget_usd=daily_budget_usd, monthly_budget_usd=monthly_budget_usd)
         except ValidationError as exc:
             _fail(f"{'.'.join(map(str, exc.errors()[0]['loc']))}: {exc.errors()[0]['msg']}")
-        adapter = create_adapter(session, cli_actor(), data)
+        adapter = create_adapter(session, cli_actor(), data, AdapterStore.of(Settings()))
     typer.echo(f"added adapter {adapter.name} on {adapter.base}")
 
 

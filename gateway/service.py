@@ -78,7 +78,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.metrics.saturation.set_function(lambda: self.fleet.saturation)
         self.metrics.quarantined.set_function(lambda: self.ledger.quarantined)
-        self.shared = Shared(self.fleet, self.quotas, self.metrics, settings)
+        self.shared = Shared(self.fleet, self.quotas, self.metrics, settings, self._reserved)
         self._tasks: set[asyncio.Task] = set()
         self._shadows: dict[str, asyncio.Task[Outcome | None]] = {}  # request id -> its mirror, till the primary ends
         self._open: dict[str, Call] = {}  # billed calls not yet settled, checkpointed while they run
@@ -144,10 +144,10 @@ class Gateway:
         return await asyncio.to_thread(ledger.spent, self.db, time.time())
 
     async def _recover(self) -> None:
-        """Ingest the spools of stopped processes; the streams they had open are billed what they
-        had delivered at their last checkpoint, and their reservations settle to it."""
+        """Ingest the spools of stopped processes; the calls they had open are billed what they had
+        delivered at their last checkpoint, and their reservations settle to what was billed."""
         recovered = await asyncio.to_thread(self.ledger.recover_orphans)
-        for record in recovered.interrupted:
+        for record in recovered.open_calls:
             if record.get("reservation"):
                 self.spawn(self.quotas.release(Reservation.of(record["reservation"]),
                                                record["prompt_tokens"] + record["completion_tokens"],
@@ -164,15 +164,21 @@ class Gateway:
                 log.warning("spool recovery waits for the database: %s", str(exc).splitlines()[0])
 
     async def _checkpoints(self) -> None:
-        """What each open stream has delivered, written beside the spool every `checkpoint_s`."""
-        written = False
+        """What each open call has used so far, written beside the spool every `checkpoint_s`, on the
+        event loop: a call's first checkpoint, taken as it reserves (`_reserved`), is never lost to a
+        rewrite from an older list of calls."""
         while True:
             await asyncio.sleep(self.settings.checkpoint_s)
-            rows = [self._row(outcome) | {"reservation": outcome.reservation.as_dict()}
-                    for outcome in (call.checkpoint() for call in list(self._open.values())) if outcome is not None]
-            if rows or written:
-                await asyncio.to_thread(self.ledger.checkpoint, rows)
-                written = bool(rows)
+            self.ledger.checkpoint([self._checkpoint_row(outcome) for outcome in
+                                    (call.checkpoint() for call in list(self._open.values())) if outcome is not None])
+
+    def _reserved(self, checkpoint: Outcome) -> None:
+        """A billed call's first checkpoint, the moment it holds a reservation: a call that ends between
+        two rewrites (a short one, a batch's line) is billed and released too should this process die."""
+        self.ledger.opened(self._checkpoint_row(checkpoint))
+
+    def _checkpoint_row(self, checkpoint: Outcome) -> dict:
+        return self._row(checkpoint) | {"reservation": checkpoint.reservation.as_dict()}
 
     def visible_models(self, principal: Principal) -> list[str]:
         return [m for m in self.router.models() if principal.may_use(m)]
@@ -246,6 +252,7 @@ class Gateway:
         block ends, so a client that sends its next request on seeing the end finds its slot free."""
         request = dataclasses.replace(request, max_tokens=self._max_tokens(principal, request.max_tokens),
                                       cache_salt=self.cache_salt(principal) or request.cache_salt,
+                                      tenant=principal.tenant.name,
                                       adapter=decision.adapter.name if decision.adapter else None)
         if decision.shadow is not None:
             mirrored = Call(self.shared, principal, dataclasses.replace(decision, candidates=[decision.shadow]),
@@ -316,7 +323,8 @@ class Gateway:
         and recorded (one ledger row, api `embeddings`) at the backend's count. A client that leaves
         once the inputs reached a backend is billed them, counted by that backend where it can."""
         started, started_at = time.monotonic(), datetime.now(UTC)
-        request = dataclasses.replace(request, model=decision.model, cache_salt=self.cache_salt(principal))
+        request = dataclasses.replace(request, model=decision.model, cache_salt=self.cache_salt(principal),
+                                      tenant=principal.tenant.name)
         candidates = [b for b in decision.candidates if (await b.capabilities()).embeddings]
         if not candidates:
             raise InvalidRequest(f"the model {decision.asked!r} does not serve embeddings", param="model")
@@ -335,7 +343,7 @@ class Gateway:
         try:
             for number, backend in enumerate(candidates, 1):
                 try:
-                    async with self.fleet.attempt(backend.name):
+                    async with self.fleet.attempt(backend.name, request.tenant):
                         tried.append(backend.name)
                         result = await backend.embed(request)
                 except BackendError as exc:

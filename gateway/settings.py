@@ -37,6 +37,10 @@ class Settings(BaseSettings):
     # elsewhere, through `..` or a link included, is refused: runtimes read it with the gateway's
     # reach); unset, only operators register adapters.
     tenant_adapter_dir: Path | None = None
+    # Registered adapters' files are copied here as they were checked (`<sha256>/`), and backends read
+    # the copy (so a runtime on another host must see this directory at this path). Their size bound:
+    adapter_store_dir: Path = data_dir() / "adapters"
+    adapter_max_bytes: int = 2 * 1024**3
     # The first admin key, used only when the database holds no key yet.
     admin_key: str | None = None
     # Keys, tenants and routes are served from memory and re-read this often.
@@ -103,11 +107,16 @@ class Settings(BaseSettings):
 
     # `/v1/responses` kept with `store` (the default) are readable, and continued, for this long.
     responses_retention_s: float = 30 * 86400
-    # `/v1/files`: the largest upload, and a batch input's most lines (OpenAI's caps); batch outputs
-    # and errors are kept this long.
+    # `/v1/files`: the largest upload, and a batch input's most lines (OpenAI's caps); uploads are
+    # kept this long unless they ask otherwise (`expires_after`), batch outputs and errors this long.
     file_max_bytes: int = 200 * 1024 * 1024
     batch_max_lines: int = 50_000
+    input_retention_s: Annotated[float, Field(gt=0)] = 30 * 86400
     output_retention_s: float = 30 * 86400
+    # The bytes of the files a tenant keeps at once (uploads refused beyond it; outputs count too).
+    file_quota_bytes: int = 2 * 1024**3
+    # Files' bytes are kept in this directory (shared by every replica) instead of the database.
+    file_store_dir: Path | None = None
     # `/v1/batches`: what a batch's tokens cost against the interactive price (0.5: half, OpenAI's
     # discount), the batches a tenant may have unfinished at once, and the lines one replica runs at
     # once, only while no interactive request waits for its backend.

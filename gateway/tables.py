@@ -144,7 +144,11 @@ class AdapterRecord(UsageLimits, table=True):
     id: int | None = Field(default=None, primary_key=True)
     name: str = Field(index=True, unique=True, max_length=128)
     base: str = Field(max_length=128)  # the served model or route alias it applies to
-    path: str = Field(max_length=1024)  # where its backends read its weights
+    path: str = Field(max_length=1024)  # where it was registered from
+    # The copy of its files as checked at registration, which backends read, and their SHA-256; None
+    # for an operator's path that only its runtime reads (a hub id).
+    stored_path: str | None = Field(default=None, max_length=1024)
+    digest: str | None = Field(default=None, max_length=64)
     owner: str | None = Field(default=None, max_length=64)  # a tenant's name; None: the operator's
     tenants: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))  # besides the owner
     created_at: datetime = Field(default_factory=utcnow)
@@ -232,7 +236,7 @@ class StoredResponse(SQLModel, table=True):
 
 class StoredFile(SQLModel, table=True):
     """A file of `/v1/files`: a batch's input (JSONL, checked line by line on upload), or a batch's
-    output or errors. Its bytes live in the database, where every replica reads them."""
+    output or errors. `gateway/files.py` keeps its bytes: in `file_chunk` rows, or in `directory`."""
 
     __tablename__ = "file"
 
@@ -242,9 +246,21 @@ class StoredFile(SQLModel, table=True):
     filename: str = Field(max_length=255)
     size: int = 0  # bytes
     lines: int = 0
-    content: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    # "writing" while its bytes are written (counted against the quota, shown to no one), then "processed".
+    status: str = Field(default="processed", max_length=16)
+    directory: str | None = Field(default=None, max_length=1024)  # the directory holding its bytes; None: the database
     created_at: datetime = Field(default_factory=utcnow, index=True)
-    expires_at: datetime | None = None
+    expires_at: datetime | None = Field(default=None, index=True)
+
+
+class FileChunk(SQLModel, table=True):
+    """A slice (about 1 MiB) of a file kept in the database, in order of `seq`."""
+
+    __tablename__ = "file_chunk"
+
+    file_id: str = Field(primary_key=True, max_length=64)
+    seq: int = Field(primary_key=True)
+    data: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
 
 
 class BatchRecord(SQLModel, table=True):

@@ -184,7 +184,8 @@ def gateway_app(backends: dict, home: Path, db_url: str | None = None, tracer_pr
     from gateway.settings import Settings
     from gateway.tenancy.tenants import bootstrap
 
-    config = Settings(database_url=db_url or f"sqlite:///{home}/servegate.db", spool_dir=home / "spool", **settings)
+    config = Settings(database_url=db_url or f"sqlite:///{home}/servegate.db", spool_dir=home / "spool",
+                      **{"adapter_store_dir": home / "adapter-store"} | settings)
     db = make_engine(config.database_url)
     upgrade(db)
     with Session(db) as session:

@@ -3,6 +3,7 @@ random, so each adapter changes the output), and the reference: transformers + P
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 # name -> (rank, targets, seed): ranks and targets differ, the MLP's projections and attention's.
@@ -39,3 +40,30 @@ def peft_greedy(base_dir: str | Path, adapter_dir: str | Path | None, prompt: li
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                              do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+# The tiny Llama's projections (conftest `tiny_model_dir`): hidden 64, 4 heads of 16, 2 KV heads, MLP 128.
+OUT = {"q_proj": 64, "k_proj": 32, "v_proj": 32, "o_proj": 64}
+
+
+def write_adapter(directory: Path, seed: int, rank: int = 4, config: object = None, tensors: dict | None = None,
+                  module: str = "model.layers.{i}.self_attn.{p}") -> Path:
+    """A PEFT directory by hand: random factors for q/k/v/o of both layers, or `tensors`; the
+    config PEFT writes, or `config` as given (any JSON)."""
+    import torch
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    if tensors is None:
+        tensors = {}
+        for i in range(2):
+            for projection, out in OUT.items():
+                name = f"base_model.model.{module.format(i=i, p=projection)}"
+                tensors[f"{name}.lora_A.weight"] = torch.randn(rank, 64, generator=generator)
+                tensors[f"{name}.lora_B.weight"] = torch.randn(out, rank, generator=generator)
+    save_file(tensors, directory / "adapter_model.safetensors")
+    spec = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(OUT)} \
+        if config is None else config
+    (directory / "adapter_config.json").write_text(json.dumps(spec))
+    return directory

@@ -19,6 +19,7 @@ from gateway.rollout.route_versions import PrefixAware, RouteOut, RouteSpec, Rou
 from gateway.rollout.tgi_migration import MigrationError, TGIDeployment, lora_adapters, plan
 
 from .conftest import AUTH, away_from_minute_edge, gateway_app, running, tenant
+from .lora_adapters import write_adapter
 
 PATH = "/adapters/support-v2"
 
@@ -104,7 +105,7 @@ async def test_an_adapter_shared_with_a_tenant_serves_it_and_a_tenant_administra
     async with running({"base": LoraBackend("one")}, tmp_path, tenant_adapter_dir=root) as client:
         admin = await tenant(client, "acme", scopes=("admin", "inference"))
         partner, outsider = await tenant(client, "initech"), await tenant(client, "globex")
-        own = str(root / "acme" / "support")
+        own = str(write_adapter(root / "acme" / "support", 1))
         made = await register(client, admin, owner="globex", tenants=["initech"], path=own)
         assert made.status_code == 404  # another tenant's name, to a tenant administrator
         for elsewhere in (PATH, str(root / "globex" / "theirs"), str(root / "acme" / ".." / "globex" / "theirs"),
@@ -139,6 +140,26 @@ async def test_without_a_tenant_adapter_directory_only_operators_register_adapte
         refused = await register(client, admin, path=str(tmp_path / "acme" / "support"))
         assert refused.status_code == 403 and "Only an operator" in refused.json()["error"]["message"]
         assert (await register(client, owner="acme", path=PATH)).status_code == 201
+
+
+async def test_a_tenant_administrator_learns_nothing_of_other_tenants_names(tmp_path):
+    """A taken name answers as a served model's does, and sharing with a tenant that does not exist
+    answers as sharing with one that does: neither says whose, or whether, a name is."""
+    root = tmp_path / "tenant-adapters"
+    async with running({"base": LoraBackend("one")}, tmp_path, tenant_adapter_dir=root) as client:
+        prober = await tenant(client, "prober", scopes=("admin", "inference"))
+        other = await tenant(client, "other", scopes=("admin", "inference"))
+        assert (await register(client, other, name="secret-name", path=str(write_adapter(root / "other" / "a", 1)))
+                ).status_code == 201
+        mine = str(write_adapter(root / "prober" / "a", 1))
+        taken = [await register(client, prober, name=name, path=mine) for name in ("secret-name", "base")]
+        assert [answer.status_code for answer in taken] == [409, 409]
+        messages = [answer.json()["error"]["message"].replace(name, "NAME")
+                    for answer, name in zip(taken, ("secret-name", "base"))]
+        assert messages[0] == messages[1] and "'other'" not in messages[0]
+        shared = [await register(client, prober, name=f"mine-{n}", path=mine, tenants=[t])
+                  for n, t in enumerate(("other", "no-such-tenant"))]
+        assert [answer.status_code for answer in shared] == [201, 201]
 
 
 async def test_each_backend_loads_an_adapter_once_and_its_requests_are_billed_per_adapter(tmp_path):

@@ -232,8 +232,7 @@ def test_the_cli_lists_shows_and_cancels_batches_and_lists_and_deletes_responses
     upgrade(db)
     now = datetime.now(UTC)
     with Session(db) as session:
-        session.add(StoredFile(id="file-in", tenant="acme", purpose="batch", filename="in.jsonl", size=1, lines=3,
-                               content=lines(3)))
+        session.add(StoredFile(id="file-in", tenant="acme", purpose="batch", filename="in.jsonl", size=1, lines=3))
         session.add(BatchRecord(id="batch_done", tenant="acme", key_prefix="k1", endpoint="/v1/completions",
                                 input_file_id="file-in", status="completed", total=3, completed=2, failed=1,
                                 output_file_id="file-out", error_file_id="file-err", created_at=now,

@@ -23,7 +23,7 @@ def test_cli_contract(tmp_path, monkeypatch):
     refused = run(app, ["serve"])  # an existing database without the schema: serve refuses, loads nothing
     assert refused.exit_code == 2 and "has no servegate schema" in refused.output
 
-    assert "database at revision 0006" in run(app, ["db", "upgrade"]).output
+    assert "database at revision 0008" in run(app, ["db", "upgrade"]).output
     created = run(app, ["tenants", "create", "acme", "--rpm", "5", "--tpm", "1000", "--tokens-per-day", "9000",
                         "--max-concurrency", "2", "--models", "a,b"])
     assert created.exit_code == 0, created.output

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
+import tempfile
+import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from backends import fields
+from backends import fields, sandbox
 from backends.base import (
     MAX_LOGPROBS,
     Adapter,
     Backend,
+    BackendError,
     Capabilities,
     ContextTooLong,
     Delta,
@@ -43,12 +47,18 @@ from backends.builtin.core.structured import check
 from backends.builtin.front import EngineFront, EngineProcess, EngineThread
 from backends.builtin.protocol import CoreInfo, LoadAdapter, SamplingParams, UnloadAdapter
 from backends.builtin.tools import ToolUse
-from backends.builtin.worker.loader import default_model_path, load_tokenizer, model_dir, model_name
+from backends.builtin.worker.loader import default_model_path, load_tokenizer, model_dir, model_name, read_model_config
+from backends.builtin.worker.lora import NO_LORA, prepare_adapter
+from backends.builtin.worker.models.config import ModelConfig
 from backends.constraints import constraint_of
 
 log = logging.getLogger("servegate.builtin")
 
 MAX_N = 16
+SUPERVISE_S = 0.5  # how often the engine core's life is checked
+RESTART_WINDOW_S, MAX_RESTARTS = 60.0, 3  # a core that dies more often than this is left down
+ADAPTER_READ_TIMEOUT_S = 120.0
+ADAPTER_READ_MEMORY_BYTES = 8 << 30  # beyond the reader's own start: a few copies of a large adapter
 REASONING_EFFORTS = ("low", "medium", "high")  # gpt-oss's, which vLLM takes
 TOKENIZER_THREADS = 2  # templating and tokenizing run here, off the event loop; more requests wait their turn
 
@@ -79,6 +89,11 @@ class BuiltinBackend(Backend):
         self._tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix=f"{name}-tokenize")
         self._longest_token = 1  # bytes: what `min_prompt_tokens` divides a prompt's bytes by
         self.adapters: dict[str, str] = self.config.adapters()  # LoRA adapters served: name -> path
+        self.model_config: ModelConfig | None = None  # what adapters are checked against
+        # Adapters loaded at run time, with the factors file each was read into (a restarted core reloads them).
+        self._loaded: dict[str, tuple[Adapter, Path]] = {}
+        self._factors_dir: Path | None = None  # made at the first load
+        self._supervisor: asyncio.Task | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -87,12 +102,14 @@ class BuiltinBackend(Backend):
                 directory = await asyncio.to_thread(model_dir, self.config.model or None, self.config.cache_dir,
                                                     self.config.gguf_weights == "quantized")
                 self.tokenizer = await asyncio.to_thread(load_tokenizer, directory)
+                self.model_config = await asyncio.to_thread(read_model_config, directory)
                 front = await asyncio.to_thread(EngineProcess, self.config)
                 self.info = front.info
             else:
                 self.engine = await asyncio.to_thread(LLMEngine, self.config)
                 front, self.info, self.tokenizer = EngineThread(self.engine), self.engine.core_info(), \
                     self.engine.tokenizer
+                self.model_config = self.engine.loaded.config
             self._texts = await asyncio.to_thread(logprobs.TokenTexts, self.tokenizer)
             self.chat_format = ChatFormat.of(self.tokenizer)
         except BaseException as exc:
@@ -100,6 +117,8 @@ class BuiltinBackend(Backend):
             raise
         self._longest_token = max(map(len, self._texts.bytes), default=1) or 1
         self._front = front
+        if self.config.engine_process:
+            self._supervisor = asyncio.create_task(self._supervise(), name=f"{self.name}-supervisor")
         info = self.info
         log.info("model %s loaded: %s (%s), weights %s (%.1f MB read per token), max context %d, %d KV blocks of "
                  "%d tokens, engine %s", self.model_id, info.dtype, info.dtype_reason, info.weights,
@@ -112,9 +131,49 @@ class BuiltinBackend(Backend):
         return self.info.dtype if self.info else None
 
     async def close(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.cancel()
         if self._front is not None:
             self._front.shutdown()
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
+        if self._factors_dir is not None:
+            shutil.rmtree(self._factors_dir, ignore_errors=True)
+
+    async def _supervise(self) -> None:
+        """Restart the engine core when it dies: its open streams have failed with a retryable
+        error, and until a new core is ready the backend is restarting (`Unavailable`); the new one
+        serves the adapters the old one had loaded. A core that keeps dying (more than `MAX_RESTARTS`
+        within `RESTART_WINDOW_S`) is left down."""
+        restarts: list[float] = []
+        while True:
+            await asyncio.sleep(SUPERVISE_S)
+            if self._front is not None:
+                if self._front.alive:
+                    continue
+                log.error("%s: the engine core exited (%s); restarting it", self.name, self._front.exit_reason)
+                dead, self._front = self._front, None
+                await asyncio.to_thread(dead.shutdown)
+            started = time.monotonic()
+            restarts = [t for t in restarts if started - t < RESTART_WINDOW_S] + [started]
+            if len(restarts) > MAX_RESTARTS:
+                self._load_error = RuntimeError(f"the engine core exited {MAX_RESTARTS} times within "
+                                                f"{RESTART_WINDOW_S:g} s; it is left down")
+                log.error("%s: %s", self.name, self._load_error)
+                return
+            try:
+                front = await asyncio.to_thread(EngineProcess, self.config)
+            except Exception as exc:  # tried again at the next round, within the bound
+                log.error("%s: the engine core did not restart: %s", self.name, exc)
+                continue
+            for name, (_, factors) in list(self._loaded.items()):
+                try:
+                    await front.command(LoadAdapter(f"load-{uuid.uuid4().hex}", name, str(factors)))
+                except BackendError as exc:
+                    log.error("%s: the adapter %r was not reloaded: %s", self.name, name, exc.message)
+                    del self._loaded[name], self.adapters[name]
+            self._front = front
+            log.info("%s: the engine core restarted in %.1f s, with %d adapters loaded at run time", self.name,
+                     time.monotonic() - started, len(self._loaded))
 
     async def _off_loop(self, work, *args):
         """Work that grows with the input (templating, tokenizing), on the tokenizer threads."""
@@ -126,9 +185,10 @@ class BuiltinBackend(Backend):
         return self.config.served_name or model_name(source)
 
     def _ready(self) -> tuple[CoreInfo, EngineFront]:
+        if self._load_error is not None:
+            raise Unavailable(f"the model failed to load: {self._load_error}")
         if self._front is None:
-            raise Unavailable("the model is still loading" if self._load_error is None else
-                              f"the model failed to load: {self._load_error}")
+            raise Unavailable("the model is loading" if self.info is None else "the engine core is restarting")
         return self.info, self._front
 
     # -- generation ---------------------------------------------------------------------
@@ -151,7 +211,7 @@ class BuiltinBackend(Backend):
         unechoed = set(range(params.n)) if echo else set()
         completion_tokens = cached = 0
         async for out in front.stream(request.request_id, prompt_ids, params, request.stop, request.cache_salt,
-                                      request.adapter):
+                                      request.adapter, tenant=request.tenant):
             completion_tokens += len(out.token_ids)
             cached = max(cached, out.num_cached_tokens)
             text, reason, extra = out.text, out.finish_reason, {}
@@ -263,8 +323,8 @@ class BuiltinBackend(Backend):
             raise InvalidRequest(f"Model {self.model_id!r} does not support Matryoshka embeddings; dimensions must be "
                                  f"unset (received dimensions={request.dimensions}).", param="dimensions")
         prompts = await self._off_loop(self._embed_ids, info, request.inputs)
-        tasks = [asyncio.ensure_future(front.embed(f"{request.request_id}-{i}", ids, request.cache_salt))
-                 for i, ids in enumerate(prompts)]
+        tasks = [asyncio.ensure_future(front.embed(f"{request.request_id}-{i}", ids, request.cache_salt,
+                                                   request.tenant)) for i, ids in enumerate(prompts)]
         try:
             vectors = await asyncio.gather(*tasks)
         finally:  # one failed, or the caller left: the others end too, aborting their requests
@@ -329,11 +389,26 @@ class BuiltinBackend(Backend):
 
     # -- LoRA adapters ------------------------------------------------------------------
     async def load_adapter(self, adapter: Adapter) -> None:
-        """The engine core reads the adapter's weights into host memory at its next step boundary;
-        it enters a compute slot when a step first runs it."""
+        """The adapter's files are read and checked against the model in a sandbox, bounded in time
+        and memory (their stored copy verified against its digest first), and written as a factors
+        file; the engine core loads that into host memory at its next step boundary, and the adapter
+        enters a compute slot when a step first runs it. InvalidRequest naming what is wrong."""
         _, front = self._ready()
-        await front.command(LoadAdapter(f"load-{uuid.uuid4().hex}", adapter.name, adapter.path))
+        if self._loaded.get(adapter.name, (None,))[0] == adapter:
+            return
+        if not self.config.enable_lora:
+            raise InvalidRequest(NO_LORA, param="model")
+        self._factors_dir = self._factors_dir or Path(tempfile.mkdtemp(prefix=f"servegate-{self.name}-lora-"))
+        factors = self._factors_dir / f"{uuid.uuid4().hex}.safetensors"
+        try:
+            await asyncio.to_thread(sandbox.run, prepare_adapter, (adapter.path, adapter.digest, self.model_config,
+                                    self.config.max_lora_rank, str(factors)), what="reading the adapter",
+                                    timeout_s=ADAPTER_READ_TIMEOUT_S, memory_bytes=ADAPTER_READ_MEMORY_BYTES)
+        except ValueError as exc:
+            raise InvalidRequest(f"the LoRA adapter {adapter.name!r} cannot be served: {exc}", param="model") from None
+        await front.command(LoadAdapter(f"load-{uuid.uuid4().hex}", adapter.name, str(factors)))
         self.adapters[adapter.name] = adapter.path
+        self._loaded[adapter.name] = (adapter, factors)
 
     async def unload_adapter(self, name: str) -> None:
         _, front = self._ready()
@@ -341,6 +416,8 @@ class BuiltinBackend(Backend):
             raise ModelNotFound(f"backend {self.name!r} has no adapter {name!r}", param="model")
         await front.command(UnloadAdapter(f"unload-{uuid.uuid4().hex}", name))
         del self.adapters[name]
+        if (loaded := self._loaded.pop(name, None)) is not None:
+            loaded[1].unlink(missing_ok=True)
 
     async def count_prompt_tokens(self, request: GenerateRequest) -> int:
         return len((await self.tokenize_prompt(request)).ids)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import queue
+import signal
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable
 
@@ -46,16 +47,19 @@ class EngineFront:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.stats: Stats = {}  # the engine's figures, refreshed at every step boundary
         self.resident_adapters: tuple[str, ...] = ()  # likewise the LoRA adapters in compute slots
+        self.gone: str | None = None  # why the core is gone, set before its streams are failed
 
     async def stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams, stop: Iterable[str] = (),
-                     cache_salt: str | None = None, adapter: str | None = None, embed: bool = False
-                     ) -> AsyncIterator[StepOutput | BaseException]:
+                     cache_salt: str | None = None, adapter: str | None = None, embed: bool = False,
+                     tenant: str | None = None) -> AsyncIterator[StepOutput | BaseException]:
         """Outputs of one request until every choice finished. Leaving early aborts it."""
         out: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), out)
-        self._send(AddRequest(request_id, prompt_ids, params, tuple(stop), cache_salt, adapter, embed))
+        self._send(AddRequest(request_id, prompt_ids, params, tuple(stop), cache_salt, adapter, embed, tenant))
         remaining = params.n
         try:
+            if self.gone is not None:  # registered after the core's streams were failed: none will come
+                raise UpstreamError(self.gone)
             while remaining:
                 item = await out.get()
                 if isinstance(item, BaseException):
@@ -67,9 +71,11 @@ class EngineFront:
             if remaining:
                 self._send(Abort(request_id))
 
-    async def embed(self, request_id: str, prompt_ids: list[int], cache_salt: str | None = None) -> list[float]:
+    async def embed(self, request_id: str, prompt_ids: list[int], cache_salt: str | None = None,
+                    tenant: str | None = None) -> list[float]:
         """One prompt's embedding, the one output of an embedding request. Cancelled, it aborts."""
-        async for out in self.stream(request_id, prompt_ids, SamplingParams(), cache_salt=cache_salt, embed=True):
+        async for out in self.stream(request_id, prompt_ids, SamplingParams(), cache_salt=cache_salt, embed=True,
+                                     tenant=tenant):
             vector = out.embedding
         return vector
 
@@ -80,6 +86,8 @@ class EngineFront:
         self._streams[command.command_id] = (asyncio.get_running_loop(), out)
         self._send(command)
         try:
+            if self.gone is not None:
+                raise UpstreamError(self.gone)
             done = await out.get()
         finally:
             self._streams.pop(command.command_id, None)
@@ -116,6 +124,11 @@ class EngineFront:
     def alive(self) -> bool:
         raise NotImplementedError
 
+    @property
+    def exit_reason(self) -> str:
+        """Why the core is not alive."""
+        raise NotImplementedError
+
     def shutdown(self) -> None:
         raise NotImplementedError
 
@@ -149,6 +162,10 @@ class EngineThread(EngineFront):
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def exit_reason(self) -> str:
+        return "its thread ended"
 
     def _send(self, command: Command) -> None:
         self._channel.commands.put(command)
@@ -188,6 +205,12 @@ class EngineProcess(EngineFront):
     def alive(self) -> bool:
         return self._process.is_alive() and self._reader.is_alive()
 
+    @property
+    def exit_reason(self) -> str:
+        code = self._process.exitcode
+        return f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 else \
+            f"exit code {code}"
+
     def _send(self, command: Command) -> None:
         with self._lock:
             try:
@@ -202,8 +225,10 @@ class EngineProcess(EngineFront):
             except (EOFError, OSError):
                 break
             self._on_message(message)
+        self._process.join(timeout=5)
+        self.gone = f"the engine process exited ({self.exit_reason}); try again"
         for request_id in list(self._streams):
-            self._deliver(request_id, UpstreamError(f"the engine process exited (code {self._process.exitcode})"))
+            self._deliver(request_id, UpstreamError(self.gone))
 
     def shutdown(self) -> None:
         self._send(Stop())

@@ -90,10 +90,12 @@ class AddRequest(msgspec.Struct, frozen=True, tag=True):
     # An embedding request (vLLM v1's `pooling_params`): its prompt is computed, then pooled into one
     # vector instead of sampled from (`params` keep their defaults: one choice).
     embed: bool = False
+    tenant: str | None = None  # whose request: the scheduler takes tenants' waiting requests in turn
 
 
 class LoadAdapter(msgspec.Struct, frozen=True, tag=True):
-    """Make a LoRA adapter servable by name (its weights read into host memory); answered `Done`."""
+    """Make a LoRA adapter servable by name (its weights read into host memory); answered `Done`.
+    `path`: the factors file the API process wrote from the adapter's files, read in a sandbox."""
 
     command_id: str
     name: str

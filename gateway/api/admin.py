@@ -25,7 +25,7 @@ from gateway.rollout.canary import verdict
 from gateway.service import Gateway
 from gateway.tables import AuditLog, in_utc, utcnow
 from gateway.tenancy import adapters, tenants
-from gateway.tenancy.adapters import AdapterIn, AdapterOut, AdapterPatch
+from gateway.tenancy.adapters import AdapterIn, AdapterOut, AdapterPatch, AdapterStore
 from gateway.tenancy.auth import Principal
 from gateway.tenancy.tenants import KeyCreated, KeyIn, KeyOut, TenantIn, TenantOut, TenantPatch, UsageReport
 
@@ -133,17 +133,16 @@ def list_adapters(admin: AdminPrincipal, session: SessionDep):
 def create_adapter(body: AdapterIn, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep):
     """A tenant administrator's adapter is its tenant's; an operator's is whose `owner` says."""
     body = body.model_copy(update={"owner": _own(admin, body.owner)})
-    adapters.check_path(body.path, _reach(admin), gateway.settings.tenant_adapter_dir)
-    adapter = adapters.create_adapter(session, admin.subject, body, set(gateway.router.models()))
+    adapter = adapters.create_adapter(session, admin.subject, body, AdapterStore.of(gateway.settings), _reach(admin),
+                                      set(gateway.router.models()))
     _changed(gateway)
     return adapter
 
 
 @router.patch("/adapters/{name:path}", response_model=AdapterOut)
 def update_adapter(name: str, body: AdapterPatch, admin: AdminPrincipal, session: SessionDep, gateway: GatewayDep):
-    if body.path is not None:
-        adapters.check_path(body.path, _reach(admin), gateway.settings.tenant_adapter_dir)
-    adapter = adapters.update_adapter(session, admin.subject, name, body, _reach(admin))
+    adapter = adapters.update_adapter(session, admin.subject, name, body, AdapterStore.of(gateway.settings),
+                                      _reach(admin))
     _changed(gateway)
     return adapter
 

@@ -7,6 +7,12 @@ key refuses a second), so a replica that takes a batch over, or a gateway restar
 lines without one; a graceful stop lets the lines under way finish first. Lines are billed as
 requests of the batch's creator at the batch price (`api` "batch"), and yield to interactive
 traffic: while any interactive request is in flight or waiting, a replica runs one line at a time.
+
+A line is an ordinary request when it runs: each try reads the creator's key and tenant from the
+database (not the directory's copy, up to a refresh interval old), so a revoked key or disabled
+tenant stops the batch at its next line (`failed`, naming why) and changed limits and budgets count
+from the next line on. Each try has a request id of its own, `<batch>-<line>-<suffix>`: a try cut
+short by a crash is billed at its last checkpoint, and its rerun under another id is billed apart.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import contextlib
 import json
 import logging
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 from pydantic import ValidationError
@@ -24,13 +31,15 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from backends.base import BackendError
+from gateway import files
 from gateway.api import openai, responses
-from gateway.api.batches import FINAL, BatchLine
+from gateway.api.batches import FINAL, BatchLine, new_file, publish, write_file
 from gateway.errors import GatewayError, validation_error
 from gateway.service import Gateway
 from gateway.settings import BATCH_API
 from gateway.tables import BatchRecord, BatchResult, StoredFile
-from gateway.tenancy.auth import Principal
+from gateway.tenancy.auth import Principal, read_key_principal, read_tenant, require
+from gateway.tenancy.ledger import UNREACHABLE
 
 log = logging.getLogger("servegate.batches")
 POLL_S = 1.0  # how often unclaimed batches are looked for
@@ -42,23 +51,24 @@ RETRIES = 10  # a line the backends keep refusing (503) fails after this many tr
 STOP_GRACE_S = 20.0  # a graceful stop waits this long for the lines under way
 
 
-async def answer(gateway: Gateway, principal: Principal, url: str, body: dict) -> tuple[int, dict]:
-    """A line's status and body, as its endpoint answers a client (uploads refuse `stream`)."""
+async def answer(gateway: Gateway, principal: Principal, url: str, body: dict, request_id: str) -> tuple[int, dict]:
+    """A line's status and body, as its endpoint answers a client (uploads refuse `stream`), run
+    under `request_id` (the ledger's key, and the answer's id)."""
     try:
         if url == "/v1/chat/completions":
             request = openai.ChatCompletionRequest.model_validate(body)
             response = await openai.respond(None, gateway, principal, request, chat=True, api=BATCH_API,
-                                            **openai.chat_prompt(request))
+                                            request_id=request_id, **openai.chat_prompt(request))
             return 200, json.loads(response.body)
         if url == "/v1/completions":
             request = openai.CompletionRequest.model_validate(body)
             response = await openai.respond(None, gateway, principal, request, chat=False, api=BATCH_API,
-                                            **openai.completion_prompt(request))
+                                            request_id=request_id, **openai.completion_prompt(request))
             return 200, json.loads(response.body)
         if url == "/v1/embeddings":
             return 200, await openai.embed(None, gateway, principal, openai.EmbeddingRequest.model_validate(body),
-                                           api=BATCH_API)
-        return 200, await responses.create_response(gateway, principal, body, api=BATCH_API)
+                                           api=BATCH_API, request_id=request_id)
+        return 200, await responses.create_response(gateway, principal, body, api=BATCH_API, response_id=request_id)
     except GatewayError as exc:
         error = exc
     except BackendError as exc:
@@ -149,26 +159,20 @@ class BatchRunner:
 
     async def _run(self, batch_id: str) -> None:
         batch, lines, done = await asyncio.to_thread(self._read, batch_id)
-        principal = self._principal(batch)
-        if principal is None:
-            await asyncio.to_thread(self._finish, batch_id, "failed", [{
-                "code": "key_revoked", "message": f"The API key {batch.key_prefix} that created this batch was "
-                "revoked, or its tenant removed; the lines run so far are in its output.", "line": None}])
-            return
-        state = {"status": batch.status, "held": True}
+        # `refused`: the line at which the batch's key or tenant was found unable to call, and why
+        state = {"status": batch.status, "held": True, "refused": None}
         renewing = asyncio.create_task(self._renew(batch_id, state))
         mine: list[asyncio.Task] = []
         try:
             for number, line in lines:
                 if number in done:
                     continue
-                if self._stopping or not state["held"] or state["status"] != "in_progress" \
-                        or datetime.now(UTC) >= batch.expires_at:
+                if not self._going(batch, state):
                     break
                 await self._slot()
-                if self._stopping or not state["held"]:
+                if not self._going(batch, state):
                     break
-                task = asyncio.create_task(self._line(batch, principal, number, line))
+                task = asyncio.create_task(self._line(batch, number, line, state))
                 self.lines_in_flight += 1
                 self._lines.add(task)
                 task.add_done_callback(self._line_done)
@@ -177,35 +181,47 @@ class BatchRunner:
                 await asyncio.wait(mine)
         finally:
             renewing.cancel()
+        for task in mine:  # a line stopped by the database's absence runs when the batch is taken up again
+            if not task.cancelled() and isinstance(task.exception(), UNREACHABLE):
+                raise task.exception()
         if self._stopping or not state["held"]:
             return
         if state["status"] == "cancelling":
             await asyncio.to_thread(self._finish, batch_id, "cancelled")
+        elif state["refused"] is not None:
+            number, refusal = state["refused"]
+            await asyncio.to_thread(self._finish, batch_id, "failed", [{
+                "code": refusal.code, "message": f"The batch stopped at line {number}: {refusal.message} The lines "
+                "answered are in its output.", "line": number}])
         elif datetime.now(UTC) >= batch.expires_at:
             await asyncio.to_thread(self._finish, batch_id, "expired")
         else:
             await asyncio.to_thread(self._finish, batch_id, "completed")
 
-    def _read(self, batch_id: str) -> tuple[BatchRecord, list[tuple[int, BatchLine]], set[int]]:
+    def _read(self, batch_id: str) -> tuple[BatchRecord, Iterator[tuple[int, BatchLine]], set[int]]:
+        """The batch, its input's lines (read as they are consumed, a chunk of the file at a time)
+        and the numbers of the lines answered."""
         with Session(self.db) as session:
             batch = session.get(BatchRecord, batch_id)
             source = session.get(StoredFile, batch.input_file_id)
             done = set(session.exec(select(BatchResult.line).where(BatchResult.batch_id == batch_id)).all())
-        lines = [(number, BatchLine.model_validate_json(raw))
-                 for number, raw in enumerate(source.content.decode().splitlines(), 1) if raw.strip()]
+        lines = ((number, BatchLine.model_validate_json(raw))
+                 for number, raw in files.lines(files.read(self.db, source), source.size))
         return batch, lines, done
 
-    def _principal(self, batch: BatchRecord) -> Principal | None:
-        """Who the lines run as: the key that created the batch while it stands (a token-made
-        batch, its tenant's inference scope)."""
-        directory = self.gateway.directory
-        tenant = directory.tenants.get(batch.tenant)
-        if tenant is None or tenant.disabled:
-            return None
+    def _going(self, batch: BatchRecord, state: dict) -> bool:
+        """Whether the batch still starts lines, and tries again those refused for capacity or quota."""
+        return not self._stopping and state["held"] and state["status"] == "in_progress" \
+            and state["refused"] is None and datetime.now(UTC) < batch.expires_at
+
+    def _principal(self, batch: BatchRecord) -> Principal:
+        """Who a line runs as, as the database has it now (the directory's copy may be a refresh
+        interval old): the key that created the batch (a token-made batch: its tenant, with the
+        inference scope), with its current limits. Blocking; raises `GatewayError` as authentication
+        does for a key revoked or expired, or a tenant removed or disabled."""
         if batch.key_prefix is None:
-            return Principal(tenant, f"batch:{batch.id}", frozenset({"inference"}))
-        key = directory.keys.get(batch.key_prefix)
-        return None if key is None else Principal(tenant, key.prefix, key.scopes, key)
+            return Principal(read_tenant(self.db, batch.tenant), f"batch:{batch.id}", frozenset({"inference"}))
+        return require(read_key_principal(self.db, batch.key_prefix), "inference")
 
     async def _slot(self) -> None:
         """Wait for room: `batch_concurrency` lines at once, one while interactive requests run."""
@@ -220,15 +236,26 @@ class BatchRunner:
         self._lines.discard(task)
         self.lines_in_flight -= 1
 
-    async def _line(self, batch: BatchRecord, principal: Principal, number: int, line: BatchLine) -> None:
+    async def _line(self, batch: BatchRecord, number: int, line: BatchLine, state: dict) -> None:
+        """Run a line as an ordinary request, each try as its key and tenant stand then: one that
+        may no longer call stops the batch with the line unanswered. Each try runs under an id of
+        its own, the batch's and the line's with a fresh suffix, so the ledger tells apart a try
+        that a crash cut short from the one answered."""
         pause = RETRY_S[0]
         for _ in range(RETRIES):
-            status, body = await answer(self.gateway, principal, line.url, line.body)
+            try:
+                principal = await asyncio.to_thread(self._principal, batch)
+            except GatewayError as refusal:
+                state["refused"] = state["refused"] or (number, refusal)
+                return
+            request_id = f"{batch.id}-{number}-{uuid.uuid4().hex[:12]}"
+            status, body = await answer(self.gateway, principal, line.url, line.body, request_id)
             if status not in (429, 503) or datetime.now(UTC) >= batch.expires_at:
                 break
             await asyncio.sleep(pause)  # out of capacity or quota: the line waits, it does not fail
             pause = min(pause * 2, RETRY_S[1])
-        request_id = str(body.get("id") or uuid.uuid4().hex) if status == 200 else uuid.uuid4().hex
+            if not self._going(batch, state):  # cancelled, refused or stopped meanwhile: left to the batch's end
+                return
         result = BatchResult(batch_id=batch.id, line=number, custom_id=line.custom_id, request_id=request_id,
                              status_code=status, body=body)
         await asyncio.to_thread(self._write, result)
@@ -270,7 +297,8 @@ class BatchRunner:
 
     def _finish(self, batch_id: str, status: str, errors: list[dict] | None = None) -> None:
         """The batch's end: lines never run are answered as such (expired, cancelled, failed), its
-        output and error files written, and its counts and status set, in one transaction."""
+        output and error files written a chunk at a time, then its files, counts and status set in
+        one transaction."""
         now = datetime.now(UTC)
         batch, lines, done = self._read(batch_id)
         if status == "completed" and batch.status == "cancelling":  # a cancel that came as the last lines ran
@@ -279,30 +307,25 @@ class BatchRunner:
                               "expired."),
                   "cancelled": ("batch_cancelled", "This request was not executed: the batch was cancelled."),
                   "failed": ("batch_failed", "This request was not executed: the batch failed.")}.get(status)
-        with Session(self.db) as session:
-            if reason is not None:
+        if reason is not None:
+            with Session(self.db) as session:
                 for number, line in lines:
                     if number not in done:
                         session.add(BatchResult(batch_id=batch_id, line=number, custom_id=line.custom_id,
                                                 request_id=uuid.uuid4().hex, status_code=0,
                                                 body={"code": reason[0], "message": reason[1]}))
-                session.flush()
-            results = session.exec(select(BatchResult).where(BatchResult.batch_id == batch_id)
-                                   .order_by(col(BatchResult.line))).all()
+                        if len(session.new) >= 1000:  # written as they come, not all held
+                            session.flush()
+                session.commit()
+        completed, failed = self._counts(batch_id)
+        written = [self._write_results(batch, kind, count) for kind, count in (("output", completed),
+                                                                              ("error", failed)) if count]
+        with Session(self.db) as session:
             batch = session.get(BatchRecord, batch_id)
-            expires = now + timedelta(seconds=self.settings.output_retention_s)
-            for kind, rows in (("output", [r for r in results if r.status_code == 200]),
-                               ("error", [r for r in results if r.status_code != 200])):
-                if not rows:
-                    continue
-                content = "".join(json.dumps(_output_line(r), ensure_ascii=False) + "\n" for r in rows).encode()
-                file = StoredFile(id=f"file-{uuid.uuid4().hex}", tenant=batch.tenant, purpose=f"batch_{kind}",
-                                  filename=f"{batch_id}_{kind}.jsonl", size=len(content), lines=len(rows),
-                                  content=content, created_at=now, expires_at=expires)
-                session.add(file)
+            for kind, file in written:
+                publish(session, file, now + timedelta(seconds=self.settings.output_retention_s))
                 setattr(batch, f"{kind}_file_id", file.id)
-            completed = sum(1 for r in results if r.status_code == 200)
-            batch.completed, batch.failed = completed, len(results) - completed
+            batch.completed, batch.failed = completed, failed
             batch.status, batch.runner, batch.lease_until = status, None, None
             batch.finalizing_at = now
             setattr(batch, f"{status}_at", now)
@@ -310,13 +333,37 @@ class BatchRunner:
                 batch.errors = errors
             session.add(batch)
             session.commit()
-        log.info("batch %s %s: %d answered, %d failed", batch_id, status, completed, len(results) - completed)
+        log.info("batch %s %s: %d answered, %d failed", batch_id, status, completed, failed)
+
+    def _write_results(self, batch: BatchRecord, kind: str, count: int) -> tuple[str, StoredFile]:
+        """The batch's output file (the lines answered 200) or error file (the others) in line
+        order, written as the answers are read."""
+        file = new_file(batch.tenant, f"batch_{kind}", f"{batch.id}_{kind}.jsonl", self.settings)
+        file.lines = count
+        with Session(self.db, expire_on_commit=False) as session:
+            session.add(file)
+            session.commit()
+        answered = BatchResult.status_code == 200
+        query = select(BatchResult).where(BatchResult.batch_id == batch.id, answered if kind == "output" else ~answered)
+        with Session(self.db) as session:
+            results = session.exec(query.order_by(col(BatchResult.line)).execution_options(yield_per=500))
+            file.size = write_file(self.db, file, files.chunked(
+                json.dumps(_output_line(r), ensure_ascii=False).encode() + b"\n" for r in results))
+        return kind, file
 
 
 def purge_expired(db) -> None:
-    """Stored responses and files past their retention are deleted."""
+    """Stored responses and files past their retention are deleted, files with their bytes. An
+    input file stays while a batch that reads it is unfinished, and goes at the first purge after."""
     now = datetime.now(UTC)
     responses.purge_expired(db, now)
+    read_by_a_batch = select(BatchRecord.id).where(BatchRecord.input_file_id == StoredFile.id,
+                                                   col(BatchRecord.status).not_in(FINAL)).exists()
+    expired = (col(StoredFile.expires_at) <= now, ~read_by_a_batch)
     with Session(db) as session:
-        session.exec(delete(StoredFile).where(col(StoredFile.expires_at) <= now))
-        session.commit()
+        rows = session.exec(select(StoredFile).where(*expired)).all()
+    for row in rows:
+        with Session(db) as session:  # still expired when deleted: a batch created meanwhile extends its input's life
+            if session.exec(delete(StoredFile).where(StoredFile.id == row.id, *expired)).rowcount:
+                files.delete(session, row)
+            session.commit()

@@ -6,21 +6,24 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, File, Form, Query, UploadFile
-from fastapi.responses import Response
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from sqlalchemy import func, update
+from sqlalchemy import and_, delete, func, or_, update
 from sqlmodel import Session, col, select
 
 from backends.base import InvalidRequest
+from gateway import files
 from gateway.api.deps import GatewayDep, InferencePrincipal
 from gateway.api.openai import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from gateway.api.responses import Metadata
 from gateway.errors import GatewayError
-from gateway.tables import BatchRecord, StoredFile
+from gateway.settings import Settings
+from gateway.tables import BatchRecord, StoredFile, Tenant
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -53,42 +56,56 @@ class BatchLine(BaseModel):
     body: dict[str, Any]
 
 
-def check_lines(content: bytes, max_lines: int) -> list[BatchLine]:
-    """A batch input's lines, each a JSON request to an endpoint batches may call with a body that
-    endpoint takes and a custom_id of its own; else InvalidRequest naming each bad line's number."""
-    try:
-        text = content.decode()
-    except UnicodeDecodeError as exc:
-        raise InvalidRequest(f"the file is not UTF-8 text (byte {exc.start})", param="file") from None
-    rows = [(number, raw) for number, raw in enumerate(text.splitlines(), 1) if raw.strip()]
-    if not rows:
-        raise InvalidRequest("the file holds no request lines", param="file")
-    if len(rows) > max_lines:
-        raise InvalidRequest(f"the file holds {len(rows)} lines, more than the {max_lines} a batch takes",
-                             param="file")
-    lines, errors, seen = [], [], set()
-    for number, raw in rows:
+LINE_ENVELOPE_BYTES = 4096  # what a line holds around its body: custom_id, method, url
+WRITE_DEADLINE = timedelta(hours=1)  # a file still being written this long after it began was left by a dead process
+
+
+def check_lines(lines: Iterable[tuple[int, bytes | None]], max_lines: int, max_body: int) -> int:
+    """The number of a batch input's lines, each a JSON request to an endpoint batches may call
+    with a body that endpoint takes (of at most `max_body` bytes) and a custom_id of its own; else
+    InvalidRequest naming each bad line's number. Reads the lines as they come, holding none."""
+    count, errors, seen = 0, [], set()
+    for number, raw in lines:
+        count += 1
+        if count > max_lines:
+            raise InvalidRequest(f"the file holds more than the {max_lines} lines a batch takes", param="file")
         try:
-            line = BatchLine.model_validate_json(raw)
-            if line.url not in ENDPOINTS:
-                raise ValueError(f"url {line.url!r} is not one batches call ({', '.join(ENDPOINTS)})")
-            if line.custom_id in seen:
-                raise ValueError(f"custom_id {line.custom_id!r} is used by an earlier line")
-            if (model := ENDPOINTS[line.url]) is not None:
-                model.model_validate(line.body)
-            elif not isinstance(line.body.get("input"), (str, list)):
-                raise ValueError("body.input must be a string or a list of items")
-            if line.body.get("stream"):
-                raise ValueError("body.stream must be false: a batch's answers are written to its output file")
+            line = _checked(raw, max_body, seen)
         except (ValidationError, ValueError) as exc:
             errors.append(f"line {number}: {_first_error(exc)}")
             continue
         seen.add(line.custom_id)
-        lines.append(line)
     if errors:
         more = f" (and {len(errors) - LISTED_ERRORS} more)" if len(errors) > LISTED_ERRORS else ""
         raise InvalidRequest("; ".join(errors[:LISTED_ERRORS]) + more, param="file")
-    return lines
+    if not count:
+        raise InvalidRequest("the file holds no request lines", param="file")
+    return count
+
+
+def _checked(raw: bytes | None, max_body: int, seen: set[str]) -> BatchLine:
+    too_large = f"its body is larger than the {max_body} bytes a request body may hold"
+    if raw is None:
+        raise ValueError(f"the line is longer than {max_body + LINE_ENVELOPE_BYTES} bytes: {too_large}")
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"the line is not UTF-8 text (byte {exc.start})") from None
+    line = BatchLine.model_validate_json(text)
+    if len(raw) > max_body:  # the line is over the cap: is its body, sent alone?
+        if len(json.dumps(line.body, separators=(",", ":"), ensure_ascii=False).encode()) > max_body:
+            raise ValueError(too_large)
+    if line.url not in ENDPOINTS:
+        raise ValueError(f"url {line.url!r} is not one batches call ({', '.join(ENDPOINTS)})")
+    if line.custom_id in seen:
+        raise ValueError(f"custom_id {line.custom_id!r} is used by an earlier line")
+    if (model := ENDPOINTS[line.url]) is not None:
+        model.model_validate(line.body)
+    elif not isinstance(line.body.get("input"), (str, list)):
+        raise ValueError("body.input must be a string or a list of items")
+    if line.body.get("stream"):
+        raise ValueError("body.stream must be false: a batch's answers are written to its output file")
+    return line
 
 
 def _first_error(exc: Exception) -> str:
@@ -105,41 +122,119 @@ def file_json(row: StoredFile) -> dict:
             "status": "processed", "status_details": None}
 
 
+def _unexpired(now: datetime):
+    return or_(col(StoredFile.expires_at).is_(None), col(StoredFile.expires_at) > now)
+
+
+def _readable(now: datetime):
+    """A file whose bytes are all written and that has not expired."""
+    return and_(StoredFile.status == "processed", _unexpired(now))
+
+
 def _read_file(db, tenant: str, file_id: str) -> StoredFile:
+    query = select(StoredFile).where(StoredFile.id == file_id, StoredFile.tenant == tenant,
+                                     _readable(datetime.now(UTC)))
     with Session(db) as session:
-        row = session.get(StoredFile, file_id)
-    if row is None or row.tenant != tenant or (row.expires_at is not None and row.expires_at <= datetime.now(UTC)):
+        row = session.exec(query).first()
+    if row is None:
         raise _not_found("file", file_id)
     return row
 
 
+def lock_tenant(session: Session, tenant: str) -> None:
+    """Holds the tenant's row until the session's transaction ends, so that checking what the
+    tenant has (its files' bytes, its unfinished batches) and adding to it is one step for
+    concurrent requests: a write that changes nothing takes PostgreSQL's row lock and SQLite's
+    write lock alike."""
+    session.exec(update(Tenant).where(Tenant.name == tenant).values(name=Tenant.name))
+
+
+def new_file(tenant: str, purpose: str, filename: str, settings: Settings) -> StoredFile:
+    """The row of a file about to be written: counted against its tenant's quota, shown to no one,
+    and purged as a dead process's leftover unless `publish` marks it written first."""
+    now = datetime.now(UTC)
+    directory = None if settings.file_store_dir is None else str(settings.file_store_dir.absolute())
+    return StoredFile(id=f"file-{uuid.uuid4().hex}", tenant=tenant, purpose=purpose, filename=filename[:255],
+                      status="writing", directory=directory, created_at=now, expires_at=now + WRITE_DEADLINE)
+
+
+def write_file(db, row: StoredFile, chunks: Iterable[bytes]) -> int:
+    """Writes the bytes of a file whose row is in the database; the number written. A failure
+    deletes the file, row and bytes."""
+    try:
+        return files.write(db, row, chunks)
+    except BaseException:
+        with Session(db) as session:
+            session.exec(delete(StoredFile).where(StoredFile.id == row.id))
+            files.delete(session, row)
+            session.commit()
+        raise
+
+
+def publish(session: Session, row: StoredFile, expires_at: datetime | None) -> None:
+    """Marks a file written, in the caller's transaction: from then on its tenant sees it."""
+    row.status, row.expires_at = "processed", expires_at
+    session.exec(update(StoredFile).where(StoredFile.id == row.id).values(
+        status=row.status, size=row.size, lines=row.lines, expires_at=expires_at))
+
+
+def _store_upload(gateway, tenant: str, upload: UploadFile, lifetime_s: float) -> StoredFile:
+    """Checks an upload's lines, then writes it, both read a chunk at a time from where Starlette
+    spooled it (a temporary file)."""
+    settings = gateway.settings
+    if upload.size > settings.file_max_bytes:
+        raise GatewayError(413, f"The file is {upload.size} bytes, more than the {settings.file_max_bytes} a file may "
+                           "hold.", "invalid_request_error", code="file_too_large", param="file")
+    upload.file.seek(0)
+    longest = settings.max_body_bytes + LINE_ENVELOPE_BYTES
+    count = check_lines(files.lines(files.chunks_of(upload.file), longest), settings.batch_max_lines,
+                        settings.max_body_bytes)
+    row = new_file(tenant, "batch", upload.filename or "input.jsonl", settings)
+    row.size, row.lines = upload.size, count
+    with Session(gateway.db, expire_on_commit=False) as session:
+        lock_tenant(session, tenant)
+        used = session.exec(select(func.coalesce(func.sum(StoredFile.size), 0)).where(
+            StoredFile.tenant == tenant, _unexpired(row.created_at))).one()
+        if used + row.size > settings.file_quota_bytes:
+            raise GatewayError(400, f"The file's {row.size} bytes would exceed the storage quota of tenant {tenant!r}: "
+                               f"its files hold {used} bytes of the {settings.file_quota_bytes} allowed. Delete files "
+                               "or let them expire first.", "invalid_request_error", code="file_quota_exceeded",
+                               param="file")
+        session.add(row)
+        session.commit()
+    upload.file.seek(0)
+    write_file(gateway.db, row, files.chunks_of(upload.file))
+    with Session(gateway.db) as session:
+        publish(session, row, row.created_at + timedelta(seconds=lifetime_s))
+        session.commit()
+    return row
+
+
 @router.post("/files")
-async def upload_file(principal: InferencePrincipal, gateway: GatewayDep, file: Annotated[UploadFile, File()],
-                      purpose: Annotated[str, Form()]):
+async def upload_file(
+    principal: InferencePrincipal, gateway: GatewayDep, file: Annotated[UploadFile, File()],
+    purpose: Annotated[str, Form()],
+    expires_anchor: Annotated[Literal["created_at"] | None, Form(alias="expires_after[anchor]")] = None,
+    expires_seconds: Annotated[int | None, Form(alias="expires_after[seconds]", ge=3600, le=30 * 86400)] = None,
+):
+    """A batch input, kept until `expires_after` seconds after its creation (OpenAI's bounds: an
+    hour to 30 days), else `input_retention_s`."""
     if purpose != "batch":
         raise InvalidRequest(f"purpose {purpose!r} is not accepted: files here are batch inputs (purpose 'batch')",
                              param="purpose")
-    content = await file.read()
-    lines = await asyncio.to_thread(check_lines, content, gateway.settings.batch_max_lines)
-    row = StoredFile(id=f"file-{uuid.uuid4().hex}", tenant=principal.tenant.name, purpose=purpose,
-                     filename=(file.filename or "input.jsonl")[:255], size=len(content), lines=len(lines),
-                     content=content)
-    await asyncio.to_thread(_add, gateway.db, row)
+    if (expires_anchor is None) != (expires_seconds is None):
+        raise InvalidRequest("expires_after needs both its anchor ('created_at') and its seconds",
+                             param="expires_after")
+    lifetime_s = gateway.settings.input_retention_s if expires_seconds is None else expires_seconds
+    row = await asyncio.to_thread(_store_upload, gateway, principal.tenant.name, file, lifetime_s)
     return file_json(row)
-
-
-def _add(db, row) -> None:
-    with Session(db) as session:
-        session.add(row)
-        session.commit()
-        session.refresh(row)
 
 
 @router.get("/files")
 async def list_files(principal: InferencePrincipal, gateway: GatewayDep, purpose: str | None = None,
                      limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000):
     def read() -> list[StoredFile]:
-        query = select(StoredFile).where(StoredFile.tenant == principal.tenant.name)
+        query = select(StoredFile).where(StoredFile.tenant == principal.tenant.name, _readable(datetime.now(UTC)))
         if purpose is not None:
             query = query.where(StoredFile.purpose == purpose)
         with Session(gateway.db) as session:
@@ -157,22 +252,28 @@ async def get_file(file_id: str, principal: InferencePrincipal, gateway: Gateway
 @router.get("/files/{file_id}/content")
 async def file_content(file_id: str, principal: InferencePrincipal, gateway: GatewayDep):
     row = await asyncio.to_thread(_read_file, gateway.db, principal.tenant.name, file_id)
-    return Response(row.content, media_type="application/jsonl")
+    return StreamingResponse(files.read(gateway.db, row), media_type="application/jsonl",
+                             headers={"Content-Length": str(row.size)})
 
 
 @router.delete("/files/{file_id}")
 async def delete_file(file_id: str, principal: InferencePrincipal, gateway: GatewayDep):
-    def delete() -> None:
-        row = _read_file(gateway.db, principal.tenant.name, file_id)
+    tenant = principal.tenant.name
+
+    def remove() -> None:
+        row = _read_file(gateway.db, tenant, file_id)
         with Session(gateway.db) as session:
+            lock_tenant(session, tenant)  # a batch created meanwhile on this file is seen below
             running = session.exec(select(func.count()).select_from(BatchRecord).where(
                 BatchRecord.input_file_id == file_id, col(BatchRecord.status).not_in(FINAL))).one()
             if running:
                 raise InvalidRequest(f"file {file_id!r} is the input of a batch still running", param="file_id")
-            session.delete(session.merge(row))
+            if not session.exec(delete(StoredFile).where(StoredFile.id == file_id)).rowcount:
+                raise _not_found("file", file_id)
+            files.delete(session, row)
             session.commit()
 
-    await asyncio.to_thread(delete)
+    await asyncio.to_thread(remove)
     return {"id": file_id, "object": "file", "deleted": True}
 
 
@@ -219,22 +320,30 @@ async def create_batch(body: BatchCreate, principal: InferencePrincipal, gateway
         if source.purpose != "batch":
             raise InvalidRequest(f"file {source.id!r} is a batch's {source.purpose}, not an input",
                                  param="input_file_id")
-        for number, raw in enumerate(source.content.decode().splitlines(), 1):
-            if raw.strip() and json.loads(raw)["url"] != body.endpoint:
-                raise InvalidRequest(f"line {number} of {source.id!r} calls {json.loads(raw)['url']!r}, not the "
-                                     f"batch's endpoint {body.endpoint!r}", param="input_file_id")
+        for number, raw in files.lines(files.read(gateway.db, source), source.size):
+            if (url := json.loads(raw)["url"]) != body.endpoint:
+                raise InvalidRequest(f"line {number} of {source.id!r} calls {url!r}, not the batch's endpoint "
+                                     f"{body.endpoint!r}", param="input_file_id")
         now = datetime.now(UTC)
+        expires = now + timedelta(hours=24)
         with Session(gateway.db) as session:
+            lock_tenant(session, tenant)  # batches created at once count each other
             active = session.exec(select(func.count()).select_from(BatchRecord).where(
                 BatchRecord.tenant == tenant, col(BatchRecord.status).not_in(FINAL))).one()
             if active >= settings.batch_active_per_tenant:
                 raise GatewayError(429, f"The tenant {tenant!r} has {active} batches unfinished, its limit; create "
                                    "more once some finish or are cancelled.", "rate_limit_exceeded",
                                    code="batch_limit_exceeded")
+            # The input is kept at least as long as the batch may run: an input about to expire gets the
+            # batch's end as its own (a write to its row, which a purge under way sees).
+            session.exec(update(StoredFile).where(StoredFile.id == source.id, _readable(now),
+                                                 col(StoredFile.expires_at) < expires).values(expires_at=expires))
+            if session.exec(select(StoredFile.id).where(StoredFile.id == source.id, _readable(now))).first() is None:
+                raise _not_found("file", source.id)  # deleted or expired since it was read above
             row = BatchRecord(id=f"batch_{uuid.uuid4().hex}", tenant=tenant, key_prefix=principal.key_prefix,
                               endpoint=body.endpoint, input_file_id=source.id, completion_window="24h",
                               status="in_progress", total=source.lines, labels=body.metadata, created_at=now,
-                              in_progress_at=now, expires_at=now + timedelta(hours=24))
+                              in_progress_at=now, expires_at=expires)
             session.add(row)
             session.commit()
             session.refresh(row)
@@ -281,10 +390,12 @@ async def cancel_batch(batch_id: str, principal: InferencePrincipal, gateway: Ga
 async def list_batches(principal: InferencePrincipal, gateway: GatewayDep, after: str | None = None,
                        limit: Annotated[int, Query(ge=1, le=100)] = 20):
     def read() -> list[BatchRecord]:
-        query = select(BatchRecord).where(BatchRecord.tenant == principal.tenant.name)
+        mine = BatchRecord.tenant == principal.tenant.name  # another tenant's batch is no cursor: as if unknown
+        query = select(BatchRecord).where(mine)
         with Session(gateway.db) as session:
-            if after is not None and (cursor := session.get(BatchRecord, after)) is not None:
-                query = query.where(BatchRecord.created_at < cursor.created_at)
+            if after is not None and (cursor := session.exec(select(BatchRecord.created_at).where(
+                    BatchRecord.id == after, mine)).first()) is not None:
+                query = query.where(BatchRecord.created_at < cursor)
             return list(session.exec(query.order_by(col(BatchRecord.created_at).desc()).limit(limit + 1)))
 
     rows = await asyncio.to_thread(read)

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from backends.base import Delta, Event, Finish, GenerateRequest
-from gateway.errors import ClientDisconnected
+from backends.base import Delta, Event, Finish, GenerateRequest, request_bytes
+from gateway.errors import ClientDisconnected, GatewayError
 from gateway.inference.call import Call
 from gateway.inference.routing import Decision
 from gateway.operations.tracing import OFF, RequestTrace, request_trace
@@ -60,7 +60,13 @@ class Started:
 
 async def start(gateway: Gateway, request: Request | None, principal: Principal, decision: Decision,
                 generate_request: GenerateRequest, api: str, stream: bool) -> Started:
-    """Reserve and start the call, and wait for its first event (errors raise here)."""
+    """Reserve and start the call, and wait for its first event (errors raise here). What goes
+    upstream is held to the body cap whatever path assembled it (a Responses chain, a batch line)."""
+    limit = gateway.settings.max_body_bytes
+    if (size := request_bytes(generate_request)) > limit:
+        raise GatewayError(413, f"The request would send {size} bytes of prompt and fields upstream (earlier "
+                           f"responses' conversation included), more than this gateway sends ({limit} bytes).",
+                           "invalid_request_error", code="request_too_large")
     block = contextlib.AsyncExitStack()  # the call's block, left by `_events` once the response ends
     call = await block.enter_async_context(
         gateway.call(principal, decision, generate_request, api, stream, trace_of(request)))

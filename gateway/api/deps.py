@@ -6,10 +6,9 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from gateway.errors import GatewayError
 from gateway.operations import tracing
 from gateway.service import Gateway
-from gateway.tenancy.auth import Principal
+from gateway.tenancy.auth import Principal, require
 
 
 def get_gateway(request: Request) -> Gateway:
@@ -32,10 +31,7 @@ def _require(*scopes: str):
         with tracing.request_trace(request).step("gateway.auth") as span:
             who = await gateway.directory.authenticate(credential(request))
             span.set_attribute("servegate.tenant", who.tenant.name)
-        if not who.scopes & set(scopes):
-            raise GatewayError(403, f"This key lacks the `{scopes[0]}` scope.", "permission_error",
-                               code="insufficient_scope")
-        return who
+        return require(who, *scopes)
 
     return principal
 

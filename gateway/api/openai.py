@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import struct
 import time
@@ -11,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from backends.base import (
@@ -25,13 +26,15 @@ from backends.base import (
     Usage,
 )
 from gateway.api import MAX_TOKENS, ClientBody, TokenCount, client_call
+from gateway.api.bodies import OffLoopBody
 from gateway.api.client_call import Collected
 from gateway.api.deps import GatewayDep, InferencePrincipal
 from gateway.errors import GatewayError
 from gateway.service import Gateway
 from gateway.tenancy.auth import Principal
 
-router = APIRouter(prefix="/v1", tags=["openai"])
+router = APIRouter(prefix="/v1", tags=["openai"], route_class=OffLoopBody)
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -209,12 +212,13 @@ def prompt_text(prompt: dict[str, Any]) -> str:
 
 
 async def respond(request: Request | None, gateway: Gateway, principal: Principal, body: SamplingRequest,
-                  chat: bool, api: str = "openai", **prompt: Any):
-    """The endpoint's answer; without a request (a batch's line) there is no client to leave."""
+                  chat: bool, api: str = "openai", request_id: str | None = None, **prompt: Any):
+    """The endpoint's answer; without a request (a batch's line, under an id of its own) there is no
+    client to leave."""
     decision = gateway.resolve(principal, body.model, prompt_text(prompt), body.max_tokens, body.stream,
                                client_call.trace_of(request))
-    generate_request = body.generate_request(decision.model, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                                             **prompt)
+    request_id = request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    generate_request = body.generate_request(decision.model, request_id, **prompt)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     responder = Responder(chat, decision.asked, include_usage, generate_request.request_id)
     started = await client_call.start(gateway, request, principal, decision, generate_request, api, body.stream)
@@ -251,13 +255,17 @@ async def completions(request: Request, body: CompletionRequest, principal: Infe
     return await respond(request, gateway, principal, body, chat=False, **completion_prompt(body))
 
 
+MAX_EMBEDDING_DIMENSIONS = 16384  # wider than any model's vectors (OpenAI's widest: 3072)
+
+
 class EmbeddingRequest(ClientBody):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     input: str | list[str] | list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | \
         list[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]]]
-    dimensions: Annotated[int, Field(ge=1)] | None = None
+    # A backend refuses more than its model's own (the built-in engine: any, its models are not Matryoshka).
+    dimensions: Annotated[int, Field(strict=True, ge=1, le=MAX_EMBEDDING_DIMENSIONS)] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
 
@@ -286,18 +294,22 @@ def embedding_json(vector: list[float], encoding: str) -> list[float] | str:
 
 @router.post("/embeddings")
 async def embeddings(request: Request, body: EmbeddingRequest, principal: InferencePrincipal, gateway: GatewayDep):
-    return JSONResponse(await embed(request, gateway, principal, body))
+    answer = await embed(request, gateway, principal, body)
+    # Vectors by the megabyte: encoded on a worker thread, by msgspec (several times json's speed).
+    return Response(await asyncio.to_thread(msgspec.json.encode, answer), media_type="application/json")
 
 
 async def embed(request: Request | None, gateway: Gateway, principal: Principal, body: EmbeddingRequest,
-                api: str = "embeddings") -> dict:
-    """The endpoint's answer; without a request (a batch's line) there is no client to leave."""
+                api: str = "embeddings", request_id: str | None = None) -> dict:
+    """The endpoint's answer; without a request (a batch's line, under an id of its own) there is no
+    client to leave."""
     inputs = body.inputs()
     decision = gateway.resolve(principal, body.model, trace=client_call.trace_of(request))
     if decision.adapter is not None:
         raise InvalidRequest(f"embeddings are of a base model; {decision.adapter.name!r} is a LoRA adapter",
                              param="model")
-    asked = EmbedRequest(request_id=f"embd-{uuid.uuid4().hex}", inputs=inputs, dimensions=body.dimensions)
+    asked = EmbedRequest(request_id=request_id or f"embd-{uuid.uuid4().hex}", inputs=inputs,
+                         dimensions=body.dimensions)
     result = await client_call.until_disconnect(request, gateway.embed(principal, decision, asked, api))
     return {
         "object": "list", "model": decision.asked,

@@ -33,6 +33,7 @@ from sqlmodel import Session
 
 from backends.base import BackendError, Delta, Finish, GenerateRequest, InvalidRequest, Usage
 from gateway.api import ClientBody, TokenCount, client_call
+from gateway.api.bodies import OffLoopBody
 from gateway.api.deps import GatewayDep, InferencePrincipal
 from gateway.api.openai import prompt_text
 from gateway.errors import GatewayError
@@ -40,7 +41,7 @@ from gateway.service import Gateway
 from gateway.tables import StoredResponse, utcnow
 from gateway.tenancy.auth import Principal
 
-router = APIRouter(prefix="/v1", tags=["openai"])
+router = APIRouter(prefix="/v1", tags=["openai"], route_class=OffLoopBody)
 log = logging.getLogger("servegate.responses")
 
 # Chat fields as a Responses body names them, for the errors the chat path raises about them.
@@ -50,6 +51,12 @@ RESPONSES_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "resp
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text")
 ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+# The fields each input item and text part may carry (OpenAI's); any other is refused by name, not
+# stored and echoed back.
+ITEM_FIELDS = {"message": {"type", "id", "status", "role", "content"},
+               "function_call": {"type", "id", "status", "call_id", "name", "arguments"},
+               "function_call_output": {"type", "id", "status", "call_id", "output"}}
+PART_FIELDS = {"input_text": {"type", "text"}, "output_text": {"type", "text", "annotations", "logprobs"}}
 
 Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
                      Field(max_length=16)]
@@ -94,6 +101,7 @@ def _text(content: Any, where: str) -> str:
         if kind not in TEXT_PARTS:
             raise InvalidRequest(f"{where}[{j}]: content of type {kind!r} is not supported (input_text and "
                                  "output_text are)", param="input")
+        _known_fields(part, PART_FIELDS[kind], f"{where}[{j}]")
         if not isinstance(part.get("text"), str):
             raise InvalidRequest(f"{where}[{j}].text must be a string", param="input")
         texts.append(part["text"])
@@ -107,6 +115,12 @@ def _string(item: dict, key: str, where: str) -> str:
     return value
 
 
+def _known_fields(given: dict, known: set[str], where: str) -> None:
+    if unknown := sorted(set(given) - known):
+        raise InvalidRequest(f"{where}: unknown field {unknown[0][:64]!r} (this item takes {', '.join(sorted(known))})",
+                             param="input")
+
+
 def chat_messages(items: list[dict]) -> list[dict]:
     """Responses items (a request's input, or a response's output) as chat messages: function calls
     join the assistant message before them, as chat's `tool_calls` do, and their outputs are tool
@@ -114,6 +128,8 @@ def chat_messages(items: list[dict]) -> list[dict]:
     messages: list[dict] = []
     for i, item in enumerate(items):
         where, kind = f"input[{i}]", item.get("type", "message")
+        if kind in ITEM_FIELDS:
+            _known_fields(item, ITEM_FIELDS[kind], where)
         if kind == "message":
             if not isinstance(item.get("role"), str) or item["role"] not in ROLES:
                 raise InvalidRequest(f"{where}.role must be user, system, developer or assistant", param="input")
@@ -396,7 +412,7 @@ class Turn:
 
 
 async def _start(gateway: Gateway, principal: Principal, body: ResponsesRequest, request: Request | None,
-                 api: str = "responses") -> Turn:
+                 api: str = "responses", response_id: str | None = None) -> Turn:
     """Translate the body, start its call on the chat path and wait for its first event (errors raise here)."""
     items = [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) \
         else body.input
@@ -407,7 +423,7 @@ async def _start(gateway: Gateway, principal: Principal, body: ResponsesRequest,
     earlier = (await _stored(gateway, principal, body.previous_response_id, "previous_response_id")).messages \
         if body.previous_response_id else []
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + earlier + new
-    response_id = f"resp_{uuid.uuid4().hex}"  # the ledger's request id too
+    response_id = response_id or f"resp_{uuid.uuid4().hex}"  # the ledger's request id too
     stream = bool(body.stream)
     decision = gateway.resolve(principal, body.model, prompt_text({"messages": messages}), body.max_output_tokens,
                                stream, client_call.trace_of(request))
@@ -436,14 +452,14 @@ async def _start(gateway: Gateway, principal: Principal, body: ResponsesRequest,
 
 
 async def create_response(gateway: Gateway, principal: Principal, body: dict, request: Request | None = None,
-                          api: str = "responses") -> dict:
+                          api: str = "responses", response_id: str | None = None) -> dict:
     """A Responses body's whole answer, the non-streamed Response, for a caller without an HTTP
-    client (a batch's line, billed under its own `api`). Raises as the endpoint does: GatewayError,
-    BackendError, or pydantic's ValidationError for a malformed body."""
+    client (a batch's line, billed under its own `api` and id). Raises as the endpoint does:
+    GatewayError, BackendError, or pydantic's ValidationError for a malformed body."""
     asked = ResponsesRequest.model_validate(body)
     if asked.stream:
         raise InvalidRequest("stream is not available here", param="stream")
-    return await (await _start(gateway, principal, asked, request, api)).whole(request)
+    return await (await _start(gateway, principal, asked, request, api, response_id)).whole(request)
 
 
 @router.post("/responses")

@@ -19,13 +19,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from backends.base import BackendError, Delta, Finish, GenerateRequest, ModelNotFound, servegate_version
 from gateway.api import MAX_TOKENS, ClientBody, TokenCount, client_call
+from gateway.api.bodies import OffLoopBody
 from gateway.api.deps import GatewayDep, InferencePrincipal
 from gateway.errors import GatewayError
 from gateway.operations import tracing
 from gateway.service import Gateway
 from gateway.tenancy.auth import Principal
 
-router = APIRouter(tags=["tgi"])
+router = APIRouter(tags=["tgi"], route_class=OffLoopBody)
 MAX_STOP_SEQUENCES = 4
 
 

@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -68,12 +68,15 @@ PRECHECK_BYTES = 64 * 1024  # a prompt this large is checked against quotas befo
 @dataclass(frozen=True)
 class Shared:
     """What every call uses of its gateway: the fleet (each target's queue and breaker), the
-    quotas, the metrics and the timeouts."""
+    quotas, the metrics and the timeouts, and where a billed call's first checkpoint goes."""
 
     fleet: Fleet
     quotas: QuotaStore
     metrics: GatewayMetrics
     settings: Settings
+    # Takes a billed call's checkpoint the moment it holds a reservation, before the call goes on:
+    # a process that dies at any point after bills the call and releases what it reserved.
+    reserved: Callable[[Outcome], None]
 
 
 @dataclass(frozen=True)
@@ -271,6 +274,8 @@ class Call:
         status, error = "cancelled", None
         passed_over: list[str] = []  # backends that cannot serve the request's adapter, and why
         try:
+            if self.reservation is not None:  # its first checkpoint, where a failure to write it still settles the call
+                self.shared.reserved(self.checkpoint())
             for number, backend in enumerate(candidates, 1):
                 self.backend = backend
                 if self.billed and number > 1:  # the first candidate's price was read when reserving
@@ -281,7 +286,7 @@ class Call:
                     request = backend.admit_extras(self.request)  # nothing undeclared goes upstream
                     if headers:
                         request = dataclasses.replace(request, trace_headers=headers)
-                    async with fleet.attempt(backend.name):
+                    async with fleet.attempt(backend.name, request.tenant):
                         self.tried.append(backend.name)
                         if self.billed:
                             metrics.overhead.observe(time.monotonic() - self.started)
@@ -354,8 +359,9 @@ class Call:
 
     # -- after ------------------------------------------------------------------------------
     def checkpoint(self) -> Outcome | None:
-        """What the request has used so far, billed as `interrupted` should this process die before
-        it ends; None while it holds no reservation, or once it has ended."""
+        """What the request has used so far (what it was sent, streamed or not), billed as
+        `interrupted` should this process die before it ends; None while it holds no reservation,
+        or once it has ended."""
         if self.reservation is None or self.outcome is not None:
             return None
         return self._outcome("interrupted", "process_died", None)

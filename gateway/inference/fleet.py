@@ -118,12 +118,13 @@ class Fleet:
         return max((m.admission.saturation for m in self.members.values()), default=0.0)
 
     @contextlib.asynccontextmanager
-    async def attempt(self, name: str) -> AsyncIterator[None]:
-        """A place in the backend's admission queue, for one attempt; the attempt's result goes
-        to its breaker (a client's mistake is not the backend's fault; an attempt that never
-        finished there hands a half-open breaker's probe back)."""
+    async def attempt(self, name: str, tenant: str | None = None) -> AsyncIterator[None]:
+        """A place in the backend's admission queue, for one attempt of `tenant`'s (the queue is
+        fair across tenants); the attempt's result goes to its breaker (a client's mistake is not
+        the backend's fault; an attempt that never finished there hands a half-open breaker's
+        probe back)."""
         member = self.members[name]
-        await member.admission.acquire()  # refused here: this replica's own queue is full, no fault of the target
+        await member.admission.acquire(tenant)  # refused here: this replica's own queue is full, no fault of the target
         member.breaker.begin(time.monotonic())
         try:
             yield
@@ -136,7 +137,7 @@ class Fleet:
         else:
             member.breaker.record(True, time.monotonic())
         finally:
-            member.admission.release()
+            member.admission.release(tenant)
 
     async def poll(self, names: Iterable[str]) -> None:
         """One round of health, live load (queue, KV usage, resident adapters) and capabilities (the

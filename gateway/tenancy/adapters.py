@@ -6,12 +6,14 @@ transaction, as tenants' and keys' are."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 from pydantic import Field
 from sqlmodel import Session, select
 
+from backends import adapter_files
 from gateway.errors import GatewayError
 from gateway.tables import AdapterRecord, Tenant, UsageLimits
 from gateway.tenancy.tenants import NAME_PATTERN, Conflict, NotFound, audit
@@ -41,6 +43,7 @@ class AdapterOut(UsageLimits):
     name: str
     base: str
     path: str
+    digest: str | None  # SHA-256 of the files as registered, which backends serve; None: a path its runtime reads
     owner: str | None
     tenants: list[str]
     created_at: datetime
@@ -54,21 +57,55 @@ def _json(row: AdapterRecord) -> dict:
     return _out(row).model_dump(mode="json")
 
 
-def check_path(path: str, tenant: str | None, root: Path | None) -> None:
-    """A tenant administrator's adapter lies under `<root>/<tenant>/`, where its tenant put it (the
-    runtimes read any path they are given); an operator's (`tenant` None) anywhere."""
-    if tenant is None:
+@dataclass(frozen=True)
+class AdapterStore:
+    """Where registered adapters' files are kept as they were checked (`backends/adapter_files.py`):
+    backends read that copy, never the path a tenant registered, so changing or linking the files
+    afterwards serves nothing else."""
+
+    directory: Path
+    max_bytes: int
+    tenant_root: Path | None  # a tenant administrator's adapters lie under `<tenant_root>/<tenant>/`
+
+    @classmethod
+    def of(cls, settings) -> AdapterStore:
+        return cls(settings.adapter_store_dir, settings.adapter_max_bytes, settings.tenant_adapter_dir)
+
+    def keep(self, path: str, tenant: str | None) -> tuple[str | None, str | None]:
+        """(digest, the stored copy's path) of the adapter at `path`, read and checked in a sandbox;
+        `tenant`: the administrator's tenant, whose own directory every file must lie in (None: an
+        operator's, anywhere). An operator's path that is not on this host (a hub id, a path only its
+        runtime sees) is the runtime's to read: (None, None)."""
+        within = self._own_directory(path, tenant)
+        if within is None and not Path(path).exists():
+            return None, None
+        try:
+            digest, copy = adapter_files.snapshot(path, self.directory, within, self.max_bytes)
+            adapter_files.check(copy)
+        except ValueError as exc:
+            raise GatewayError(400, f"The adapter at {path!r} cannot be served: {exc}", "invalid_request_error",
+                               code="invalid_adapter", param="path") from None
+        return digest, str(copy)
+
+    def _own_directory(self, path: str, tenant: str | None) -> Path | None:
+        if tenant is None:
+            return None
+        if self.tenant_root is None:
+            raise GatewayError(403, "Only an operator registers adapter paths here (SERVEGATE_TENANT_ADAPTER_DIR "
+                                    "is unset).", "permission_error", code="adapter_path_forbidden")
+        own = (self.tenant_root / tenant).resolve()
+        if not Path(path).is_absolute() or not Path(path).resolve().is_relative_to(own):
+            raise GatewayError(403, f"A tenant's adapters lie under {own}/.", "permission_error",
+                               code="adapter_path_forbidden")
+        return own
+
+
+def _known_tenants(session: Session, names: list[str], within: str | None) -> None:
+    """Every tenant named exists, checked for an operator only: to a tenant administrator an
+    unknown name must answer as a known one does, or names could be probed (a name shared with
+    before its tenant exists is that tenant's once the operator creates it)."""
+    if within is not None:
         return
-    if root is None:
-        raise GatewayError(403, "Only an operator registers adapter paths here (SERVEGATE_TENANT_ADAPTER_DIR "
-                                "is unset).", "permission_error", code="adapter_path_forbidden")
-    own = (root / tenant).resolve()
-    if not Path(path).is_absolute() or not Path(path).resolve().is_relative_to(own):
-        raise GatewayError(403, f"A tenant's adapters lie under {own}/.", "permission_error",
-                           code="adapter_path_forbidden")
-
-
-def _known_tenants(session: Session, names: list[str]) -> None:
     found = set(session.exec(select(Tenant.name).where(Tenant.name.in_(names))).all()) if names else set()
     if missing := [name for name in names if name not in found]:
         raise NotFound(f"no tenant named {missing[0]!r}")
@@ -91,12 +128,16 @@ def list_adapters(session: Session, within: str | None = None) -> list[AdapterOu
     return [_out(row) for row in session.exec(query)]
 
 
-def create_adapter(session: Session, actor: str, data: AdapterIn, taken: set[str] = frozenset()) -> AdapterOut:
-    """`taken`: the model names served already, which an adapter may not shadow."""
+def create_adapter(session: Session, actor: str, data: AdapterIn, store: AdapterStore, within: str | None = None,
+                   taken: set[str] = frozenset()) -> AdapterOut:
+    """`within`: the registering administrator's tenant (None: an operator); `taken`: the model
+    names served already, which an adapter may not shadow. Whose name a taken one is stays unsaid."""
     if data.name in taken or session.exec(select(AdapterRecord).where(AdapterRecord.name == data.name)).first():
-        raise Conflict(f"a model or adapter named {data.name!r} exists")
-    _known_tenants(session, [*filter(None, [data.owner]), *data.tenants])
-    row = AdapterRecord(**data.model_dump() | {"tenants": sorted(set(data.tenants) - {data.owner})})
+        raise Conflict(f"the model name {data.name!r} is not available: choose another")
+    _known_tenants(session, [*filter(None, [data.owner]), *data.tenants], within)
+    digest, stored = store.keep(data.path, within)
+    row = AdapterRecord(**data.model_dump() | {"tenants": sorted(set(data.tenants) - {data.owner}),
+                                               "digest": digest, "stored_path": stored})
     session.add(row)
     session.flush()
     audit(session, actor, "adapter.create", row.name, None, _json(row))
@@ -104,14 +145,16 @@ def create_adapter(session: Session, actor: str, data: AdapterIn, taken: set[str
     return _out(row)
 
 
-def update_adapter(session: Session, actor: str, name: str, patch: AdapterPatch,
+def update_adapter(session: Session, actor: str, name: str, patch: AdapterPatch, store: AdapterStore,
                    within: str | None = None) -> AdapterOut:
     row = _get(session, name, within)
     before = _json(row)
     changes = patch.model_dump(exclude_unset=True)
     if changes.get("tenants") is not None:
-        _known_tenants(session, changes["tenants"])
+        _known_tenants(session, changes["tenants"], within)
         changes["tenants"] = sorted(set(changes["tenants"]) - {row.owner})
+    if changes.get("path") is not None:
+        row.digest, row.stored_path = store.keep(changes["path"], within)
     for field, value in changes.items():
         if value is None and field not in UsageLimits.model_fields:
             continue

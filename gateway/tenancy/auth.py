@@ -7,7 +7,9 @@ the last good copy keeps serving, so a database outage is not an auth outage. A 
 key missing from memory is looked up in the database, one lookup at a time, and a prefix found
 missing is not asked again for a refresh interval, so garbage keys cannot hammer the database.
 A revoked or expired key stops working within one refresh interval (expiry at once: it is
-checked on every request).
+checked on every request). Work that outlives a request, a batch's lines, reads its key and tenant
+from the database each time instead (`read_key_principal`, `read_tenant`), checked alike, so a
+change reaches its next line.
 
 Scopes: `inference` calls models; `admin` administers its own tenant (its keys, adapters, usage);
 `operator` administers everything (tenants, their limits, routes, the audit log).
@@ -128,12 +130,63 @@ def _key_view(k: ApiKey, tenant: Tenant) -> KeyView:
 
 
 def _adapter_view(a: AdapterRecord) -> AdapterView:
-    return AdapterView(Adapter(a.name, a.path), a.base, a.owner, frozenset(a.tenants), _limits(a))
+    return AdapterView(Adapter(a.name, a.stored_path or a.path, a.digest), a.base, a.owner, frozenset(a.tenants),
+                       _limits(a))
 
 
 def unauthorized(message: str) -> GatewayError:
     return GatewayError(401, message, "invalid_request_error", code="invalid_api_key",
                         headers={"WWW-Authenticate": "Bearer"})
+
+
+def acting_tenant(name: str, tenant: TenantView | None) -> TenantView:
+    """The tenant a caller acts for, refused where it is gone or disabled."""
+    if tenant is None:
+        raise unauthorized(f"Unknown tenant {name!r}.")
+    if tenant.disabled:
+        raise GatewayError(403, f"The tenant {name!r} is disabled.", "permission_error", code="tenant_disabled")
+    return tenant
+
+
+def key_principal(key: KeyView, tenant: TenantView | None) -> Principal:
+    """Who a key acts as, refused once it has expired or where its tenant is gone or disabled."""
+    if key.expires_at is not None and key.expires_at <= datetime.now(UTC):
+        raise unauthorized(f"The API key {key.prefix} has expired.")
+    return Principal(acting_tenant(key.tenant, tenant), key.prefix, key.scopes, key)
+
+
+def require(principal: Principal, *scopes: str) -> Principal:
+    """The principal, where it holds one of `scopes`."""
+    if not principal.scopes & set(scopes):
+        raise GatewayError(403, f"This key lacks the `{scopes[0]}` scope.", "permission_error",
+                           code="insufficient_scope")
+    return principal
+
+
+def _read_key(engine: Engine, prefix: str) -> tuple[ApiKey, Tenant] | None:
+    """A key's row, revoked or not, with its tenant's (one indexed read; blocking)."""
+    with Session(engine) as session:
+        return session.exec(select(ApiKey, Tenant).join(Tenant).where(ApiKey.prefix == prefix)).first()
+
+
+def read_key_principal(engine: Engine, prefix: str) -> Principal:
+    """Who the key `prefix` acts as now, by the database rather than a directory's copy (which may be
+    a refresh interval old): for work that outlives a request, a batch's lines. Blocking; refused as
+    `Directory.authenticate` refuses, and a revoked key by name."""
+    found = _read_key(engine, prefix)
+    if found is None:
+        raise unauthorized(f"Unknown API key {prefix}.")
+    key, tenant = found
+    if key.revoked_at is not None:
+        raise unauthorized(f"The API key {prefix} was revoked.")
+    return key_principal(_key_view(key, tenant), _tenant_view(tenant))
+
+
+def read_tenant(engine: Engine, name: str) -> TenantView:
+    """The tenant `name` as the database holds it now, refused where it is gone or disabled (blocking)."""
+    with Session(engine) as session:
+        row = session.exec(select(Tenant).where(Tenant.name == name)).first()
+    return acting_tenant(name, None if row is None else _tenant_view(row))
 
 
 class Directory:
@@ -185,28 +238,22 @@ class Directory:
             await asyncio.sleep(self.settings.refresh_s)
             await self.refresh()
 
-    def _read_key(self, prefix: str) -> tuple[KeyView, TenantView] | None:
-        with Session(self.engine) as session:
-            found = session.exec(select(ApiKey, Tenant).join(Tenant)
-                                 .where(ApiKey.prefix == prefix, ApiKey.revoked_at.is_(None))).first()
-        return None if found is None else (_key_view(*found), _tenant_view(found[1]))
-
     async def _look_up(self, prefix: str) -> KeyView | None:
         """A key made since the last refresh, from the database (None if it has no such key)."""
         async with self._lookup:
             if prefix in self.keys or self._missing.get(prefix, 0.0) > time.monotonic():
                 return self.keys.get(prefix)
             try:
-                found = await asyncio.to_thread(self._read_key, prefix)
+                found = await asyncio.to_thread(_read_key, self.engine, prefix)
             except Exception as exc:  # the database is down: what memory holds is all there is
                 log.warning("key lookup failed: %s", exc)
                 return None
-            if found is None:
+            if found is None or found[0].revoked_at is not None:
                 if len(self._missing) >= MISSING_PREFIXES:
                     self._missing.clear()
                 self._missing[prefix] = time.monotonic() + self.settings.refresh_s
                 return None
-            key, tenant = found
+            key, tenant = _key_view(*found), _tenant_view(found[1])
             self.tenants[tenant.name] = tenant
             self.keys[prefix] = key
             return key
@@ -226,17 +273,7 @@ class Directory:
                 key = await self._look_up(prefix)
         if key is None or not verify(credential, key.key_hash):
             raise unauthorized("Incorrect API key provided.")
-        if key.expires_at is not None and key.expires_at <= datetime.now(UTC):
-            raise unauthorized(f"The API key {key.prefix} has expired.")
-        return Principal(self._tenant(key.tenant), key.prefix, key.scopes, key)
-
-    def _tenant(self, name: str) -> TenantView:
-        tenant = self.tenants.get(name)
-        if tenant is None:
-            raise unauthorized(f"Unknown tenant {name!r}.")
-        if tenant.disabled:
-            raise GatewayError(403, f"The tenant {name!r} is disabled.", "permission_error", code="tenant_disabled")
-        return tenant
+        return key_principal(key, self.tenants.get(key.tenant))
 
     def _from_jwt(self, token: str) -> Principal:
         s = self.settings
@@ -258,7 +295,7 @@ class Directory:
         scopes = frozenset(scope) & TOKEN_SCOPES  # `operator` only by the name the operator configured
         if s.jwt_operator_scope is not None and s.jwt_operator_scope in scope:
             scopes |= {"operator"}
-        return Principal(self._tenant(tenant), str(claims.get("sub", "jwt")), scopes)
+        return Principal(acting_tenant(tenant, self.tenants.get(tenant)), str(claims.get("sub", "jwt")), scopes)
 
     def _signing_key(self, token: str):
         kid = jwt.get_unverified_header(token).get("kid")

@@ -9,9 +9,11 @@ process (any replica sharing the spool directory) takes it over and ingests it. 
 reaches the kernel at once, which survives the death of the process; the writer's `fsync`
 each flush bounds what a power loss could take to one flush interval.
 
-Streams still open are checkpointed beside the spool (`checkpoint()`: one small file rewritten
-whole, atomically): whoever takes over a dead process's spool bills each open stream what it
-had delivered at the last checkpoint, as an `interrupted` record, unless its final record made it.
+Calls still open are checkpointed beside the spool: each as it takes its reservation (`opened()`,
+appended), then all every interval (`checkpoint()`: the file rewritten whole, atomically). Whoever
+takes over a dead process's spool bills each open call what it had delivered at its last
+checkpoint, as an `interrupted` record, unless its final record made it, and releases what it
+reserved: no call that reserved is left out, however short.
 
 A record the database refuses for what it holds (a number out of range, a field too long), or
 that does not parse, is quarantined: appended to `quarantine.jsonl` in the spool directory with
@@ -22,6 +24,7 @@ reached is no record's fault: the batch waits in the spool for the next flush.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import logging
@@ -61,11 +64,12 @@ class Torn(Refused):
 
 @dataclass(frozen=True)
 class Recovered:
-    """What a dead process left: records ingested, and the streams it had open, billed as
-    `interrupted` at their last checkpoint (each with what it had reserved, to be settled)."""
+    """What a dead process left: records ingested, and the calls it had open, each as billed (its
+    final record where it made it, else its last checkpoint, `interrupted`) with what it had
+    reserved, to be settled (a settlement that landed before the process died is not repeated)."""
 
     records: int
-    interrupted: list[dict]
+    open_calls: list[dict]
 
 
 class UsageLedger:
@@ -79,6 +83,7 @@ class UsageLedger:
         self.offset = 0  # bytes of the spool already in the database
         self.lock = threading.Lock()
         self.quarantined = 0  # records refused since this process started
+        self._checkpointed = False  # the checkpoint file holds open calls
         self._closed = False
 
     def record(self, fields: dict) -> None:
@@ -87,15 +92,26 @@ class UsageLedger:
         with self.lock:
             os.write(self.fd, line)
 
-    def checkpoint(self, open_streams: list[dict]) -> None:
-        """What each open stream has delivered so far, replacing the last checkpoint whole."""
+    def opened(self, call: dict) -> None:
+        """A call's first checkpoint, appended as it takes its reservation (a line, as `record`)."""
+        with open(_open_path(self.path), "ab") as checkpoints:
+            checkpoints.write(_line(call))
+        self._checkpointed = True
+
+    def checkpoint(self, open_calls: list[dict]) -> None:
+        """What each open call has used so far, replacing the checkpoints whole. Called on the same
+        thread as `opened`: one appended while this rewrite was under way would be lost with the
+        file it replaces."""
         path = _open_path(self.path)
-        if not open_streams:
-            path.unlink(missing_ok=True)
+        if not open_calls:
+            if self._checkpointed:
+                path.unlink(missing_ok=True)
+                self._checkpointed = False
             return
         partial = path.with_suffix(".tmp")
-        partial.write_bytes(b"".join(_line(fields) for fields in open_streams))
-        partial.replace(path)  # atomic: a reader sees the old checkpoint or the new one
+        partial.write_bytes(b"".join(_line(fields) for fields in open_calls))
+        partial.replace(path)  # atomic: a reader sees the old checkpoints or the new ones
+        self._checkpointed = True
 
     # -- the writer -----------------------------------------------------------------------
     def flush(self) -> int:
@@ -169,9 +185,9 @@ class UsageLedger:
         log.error("usage record quarantined: %s", reason, extra={"request_id": str(request_id)[:64]})
 
     def recover_orphans(self) -> Recovered:
-        """Ingest and delete the spools of gateway processes that are gone, and bill the streams
+        """Ingest and delete the spools of gateway processes that are gone, and bill the calls
         they had open at their last checkpoint."""
-        recovered, interrupted = 0, []
+        recovered, open_calls = 0, []
         for path in sorted(self.spool_dir.glob("usage-*.jsonl")):
             if path == self.path:
                 continue
@@ -185,20 +201,21 @@ class UsageLedger:
                 os.close(fd)
                 continue
             try:
-                recovered += self.store(path.read_bytes().splitlines())
+                spooled = path.read_bytes().splitlines()
+                recovered += self.store(spooled)
                 checkpoint = _open_path(path)
-                if checkpoint.exists():  # after the final records: those of streams that did finish win
+                if checkpoint.exists():  # after the final records: those of calls that did finish win
                     lines = checkpoint.read_bytes().splitlines()
                     self.store(lines)
-                    interrupted += [json.loads(line) for line in lines if _valid(line)]
+                    open_calls += _as_billed([json.loads(line) for line in lines if _valid(line)], spooled)
                     checkpoint.unlink()
                 path.unlink()
             finally:
                 os.close(fd)
-        if recovered or interrupted:
-            log.info("recovered %d usage records and %d interrupted streams from spools of stopped gateway "
-                     "processes", recovered, len(interrupted))
-        return Recovered(recovered, interrupted)
+        if recovered or open_calls:
+            log.info("recovered %d usage records and %d open calls from spools of stopped gateway processes",
+                     recovered, len(open_calls))
+        return Recovered(recovered, open_calls)
 
     async def run(self) -> None:
         while True:
@@ -215,7 +232,7 @@ class UsageLedger:
         self._closed = True
         try:
             self.flush()
-            _open_path(self.path).unlink(missing_ok=True)  # every stream has ended, its final record written
+            _open_path(self.path).unlink(missing_ok=True)  # every call has ended, its final record written
             if os.fstat(self.fd).st_size == self.offset:
                 self.path.unlink()
         except Exception as exc:
@@ -248,6 +265,17 @@ def spent(engine: Engine, now: float) -> list[Spent]:
                     found += [Spent(f"{kind}:{name}", key, window, int(total or 0))
                               for (key, window, _), total in zip(counters, totals)]
     return found
+
+
+def _as_billed(checkpoints: list[dict], spooled: list[bytes]) -> list[dict]:
+    """Each checkpointed call as the ledger bills it: by its final record where that made it into the
+    spool (its settlement may not have), else by its checkpoint; with what it reserved."""
+    finals = {}
+    for line in spooled:
+        with contextlib.suppress(ValueError, AttributeError):  # torn or refused: stored as such already
+            record = json.loads(line)
+            finals[record.get("request_id")] = record
+    return [finals.get(call["request_id"], call) | {"reservation": call.get("reservation")} for call in checkpoints]
 
 
 def _open_path(spool: Path) -> Path:

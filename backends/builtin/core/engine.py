@@ -69,22 +69,24 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     stop: Iterable[str] = (), cache_salt: str | None = None, adapter: str | None = None,
-                    embed: bool = False) -> None:
+                    embed: bool = False, tenant: str | None = None) -> None:
         """Queue a request; `embed`: an embedding request (its prompt pooled by `pooling_type`, of the
-        base model). Validation (lengths, ids) is the caller's: see `check_request`. A duplicate id,
-        an adapter not loaded or a grammar that does not compile is a ValueError."""
+        base model); `tenant`: whose it is (the scheduler takes tenants' waiting requests in turn).
+        Validation (lengths, ids) is the caller's: see `check_request`. A duplicate id, an adapter
+        not loaded or a grammar that does not compile is a ValueError."""
         if request_id in self.scheduler.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         if embed:
             self.scheduler.add(Sequence(list(prompt_ids), params, request_id, cache_salt=cache_salt,
-                                        pooling=self.config.pooling_type))
+                                        pooling=self.config.pooling_type), tenant)
             return
         if adapter is not None and adapter not in self.adapters:
             raise ValueError(f"the LoRA adapter {adapter!r} is not loaded")
         matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
         detokenizer = Detokenizer(self.tokenizer, list(prompt_ids), tuple(stop), params.skip_special_tokens)
         self.scheduler.add(Sequence(list(prompt_ids), params, request_id, matcher=matcher, detokenizer=detokenizer,
-                                    cache_salt=cache_salt, adapter_id=self.adapters[adapter][0] if adapter else 0))
+                                    cache_salt=cache_salt, adapter_id=self.adapters[adapter][0] if adapter else 0),
+                           tenant)
 
     # -- LoRA adapters ------------------------------------------------------------------
     def add_adapter(self, name: str, path: str) -> None:

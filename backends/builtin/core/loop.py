@@ -77,9 +77,12 @@ def serve(engine: LLMEngine, channel: Channel) -> None:
                     added = True
                     try:
                         engine.add_request(command.request_id, command.prompt_ids, command.params, command.stop,
-                                           command.cache_salt, command.adapter, command.embed)
+                                           command.cache_salt, command.adapter, command.embed, command.tenant)
                     except ValueError as exc:
                         channel.send(Refused(command.request_id, str(exc)))
+                    except Exception as exc:  # one request's fault, never the loop's end
+                        log.exception("request %s refused", command.request_id)
+                        channel.send(Refused(command.request_id, f"{type(exc).__name__}: {exc}"))
                 case LoadAdapter() | UnloadAdapter():
                     channel.send(adapter_command(engine, command))
                 case Abort():
@@ -92,15 +95,17 @@ def serve(engine: LLMEngine, channel: Channel) -> None:
 
 
 def adapter_command(engine: LLMEngine, command: LoadAdapter | UnloadAdapter) -> Done:
-    """An adapter loaded or unloaded at a step boundary, or why not (reading its weights fails
-    with an OSError or a ValueError from the format)."""
+    """An adapter loaded or unloaded at a step boundary, or why not. What it loads is a factors
+    file the API process wrote after reading the adapter in a sandbox; whatever still fails here
+    fails the command, never the loop."""
     try:
         if isinstance(command, LoadAdapter):
             engine.add_adapter(command.name, command.path)
         else:
             engine.remove_adapter(command.name)
-    except (OSError, ValueError) as exc:
-        return Done(command.command_id, str(exc))
+    except Exception as exc:
+        return Done(command.command_id, str(exc) if isinstance(exc, (OSError, ValueError)) else
+                    f"{type(exc).__name__}: {exc}")
     return Done(command.command_id)
 
 

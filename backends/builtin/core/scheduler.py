@@ -2,21 +2,25 @@
 
 One token budget per step. Running sequences go first, oldest first (a decode needs one
 token, an unfinished chunked prefill the rest of its prompt up to the budget); waiting
-sequences are then admitted in queue order into what is left, their prompts chunked to fit.
+sequences are then admitted into what is left, their prompts chunked to fit: each tenant's in
+its queue's order, the tenants taking turns (`FairQueue`). One tenant's flood of prompts (an
+embedding request's many inputs) never sits in front of another tenant's request, which is
+admitted after at most one sequence of each other tenant waiting.
 The full blocks a step will compute are in the prefix cache at once, so a request admitted after
 another with the same prefix, even in the same step, computes only what differs.
-Requests join the queue cheapest first among those that arrived since the last step: the fewest
-tokens left to compute after prefix-cache hits (SGLang's longest-prefix-match order, kept within
-one step's arrivals: a request is passed over only by those that came with it). A step whose
-first admitted prompt is short admits no long one (more than `long_prefill_tokens` to compute):
-of a burst, the requests on a cached prefix take their first token from a short step instead of
-waiting for the cold prompts' prefill, which starts one step later.
+Requests join their tenant's queue cheapest first among those that arrived since the last step:
+the fewest tokens left to compute after prefix-cache hits (SGLang's longest-prefix-match order,
+kept within one step's arrivals: a request is passed over only by those that came with it). A
+step whose first admitted prompt is short admits no long one (more than `long_prefill_tokens` to
+compute): of a burst, the requests on a cached prefix take their first token from a short step
+instead of waiting for the cold prompts' prefill, which starts one step later.
 The running sequences use at most `max_loras` LoRA adapters among them (the model's compute
 slots): a waiting request on another adapter is passed over, as vLLM's scheduler passes it, until
 one of them finishes.
 When the KV cache runs out, the newest running sequence is preempted: its blocks are freed
-and it goes back to the front of the waiting queue to be recomputed later (its cached full
-blocks usually make that cheap). Nothing it generated is lost: its tokens stay in the sequence.
+and it goes back to the front of its tenant's queue, whose turn is next, to be recomputed later
+(its cached full blocks usually make that cheap). Nothing it generated is lost: its tokens stay in
+the sequence.
 
 An embedding request is a sequence that only prefills: scheduled, chunked and cached like any
 prompt within the same budget, it finishes once its prompt is computed, with its pooled vector
@@ -41,8 +45,10 @@ tokens, text, pooled hidden states, status and finish reason).
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -80,6 +86,61 @@ class ModelOutput:
     pooled: dict[Sequence, torch.Tensor]
 
 
+class FairQueue:
+    """The waiting sequences, a queue per tenant, the tenants taking turns: the next sequence is
+    the head of the queue of the tenant whose turn it is, and taking it sends that tenant to the
+    back. A tenant new to the queue takes its turn after those waiting; a sequence put back at the
+    front (preempted, or passed over) makes its tenant's turn the next. With one tenant it is a
+    plain FIFO queue."""
+
+    def __init__(self, tenant_of: Callable[[Sequence], str | None]) -> None:
+        self._tenant_of = tenant_of
+        self._queues: OrderedDict[str | None, deque[Sequence]] = OrderedDict()  # in turn order
+
+    def __len__(self) -> int:
+        return sum(map(len, self._queues.values()))
+
+    def __bool__(self) -> bool:
+        return bool(self._queues)  # a tenant's queue is dropped once empty
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return itertools.chain.from_iterable(self._queues.values())
+
+    def __contains__(self, seq: Sequence) -> bool:
+        return seq in self._queues.get(self._tenant_of(seq), ())
+
+    def first(self) -> Sequence:
+        return next(iter(self._queues.values()))[0]
+
+    def popleft(self) -> Sequence:
+        tenant, queue = next(iter(self._queues.items()))
+        seq = queue.popleft()
+        if queue:
+            self._queues.move_to_end(tenant)
+        else:
+            del self._queues[tenant]
+        return seq
+
+    def extend(self, seqs: Iterable[Sequence]) -> None:
+        for seq in seqs:
+            self._queues.setdefault(self._tenant_of(seq), deque()).append(seq)
+
+    def appendleft(self, seq: Sequence) -> None:
+        tenant = self._tenant_of(seq)
+        self._queues.setdefault(tenant, deque()).appendleft(seq)
+        self._queues.move_to_end(tenant, last=False)
+
+    def extendleft(self, seqs: Iterable[Sequence]) -> None:
+        for seq in seqs:
+            self.appendleft(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        tenant = self._tenant_of(seq)
+        self._queues[tenant].remove(seq)
+        if not self._queues[tenant]:
+            del self._queues[tenant]
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, eos_token_ids: frozenset[int],
                  max_model_len: int) -> None:
@@ -93,8 +154,9 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.requests: dict[str, int] = {}  # request id -> its choices still generating
+        self.tenants: dict[str, str | None] = {}  # request id -> whose it is
         self.arrived: list[Sequence] = []  # since the last step, in arrival order
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = FairQueue(lambda seq: self.tenants[seq.request_id])
         self.running: list[Sequence] = []
         self.computed_prompt_tokens = 0  # prefill tokens actually run through the model
         self.num_preemptions = 0
@@ -103,9 +165,10 @@ class Scheduler:
         self.num_admitted = 0
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0  # speculation, summed over steps
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new request's sequence (its id unique among `requests`)."""
+    def add(self, seq: Sequence, tenant: str | None = None) -> None:
+        """Queue a new request's sequence (its id unique among `requests`), `tenant`'s."""
         self.requests[seq.request_id] = seq.params.n
+        self.tenants[seq.request_id] = tenant
         self.arrived.append(seq)
 
     @property
@@ -144,7 +207,7 @@ class Scheduler:
         short_first = None  # whether this step's first admitted prompt is short
         passed_over = []  # on an adapter that has no slot this step
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.first()
             if not self._adapter_fits(seq):
                 passed_over.append(self.waiting.popleft())
                 continue
@@ -284,9 +347,10 @@ class Scheduler:
                 break
         self.requests[seq.request_id] -= 1
         if not self.requests[seq.request_id]:
-            del self.requests[seq.request_id]
+            del self.requests[seq.request_id], self.tenants[seq.request_id]
 
     def abort(self, request_id: str) -> None:
         for seq in [s for s in (*self.running, *self.waiting, *self.arrived) if s.request_id == request_id]:
             self._finish(seq, "abort")
         self.requests.pop(request_id, None)  # its choices not forked yet finish with it
+        self.tenants.pop(request_id, None)

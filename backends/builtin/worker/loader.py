@@ -101,6 +101,11 @@ def load_model(path: str | os.PathLike | None = None, cache_dir: str | None = No
     return LoadedModel(model_name(source), *load_hf_dir(model_dir(source, cache_dir, quantized)), source)
 
 
+def read_model_config(directory: Path) -> ModelConfig:
+    """The engine's config of the model in a Hugging Face directory, without its weights."""
+    return model_config(json.loads((directory / "config.json").read_text()))
+
+
 def load_hf_dir(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight], object]:
     cfg = json.loads((directory / "config.json").read_text())
     if cfg.get("model_type") not in SUPPORTED_ARCHITECTURES:

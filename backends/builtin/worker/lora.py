@@ -10,17 +10,14 @@ or `/ sqrt(r)` with rsLoRA) is folded into B when the adapter enters a slot.
 from __future__ import annotations
 
 import itertools
-import json
-import math
-import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from backends.builtin.worker.gguf_file import gguf_field
-from backends.builtin.worker.gguf_weights import hf_name, unpermute
+from backends.adapter_files import read_factors, verify
+from backends.builtin.worker.gguf_weights import unpermute
 from backends.builtin.worker.models import PACKED
 from backends.builtin.worker.models.config import ModelConfig
 
@@ -29,6 +26,8 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # The model's Linear layers that adapters reach, and the projections each runs (fused ones in order).
 LAYER_MODULES = {"self_attn.qkv_proj": PACKED["self_attn.qkv_proj"], "self_attn.o_proj": ("self_attn.o_proj",),
                  "mlp.gate_up_proj": PACKED["mlp.gate_up_proj"], "mlp.down_proj": ("mlp.down_proj",)}
+PROJECTIONS = frozenset(part for parts in LAYER_MODULES.values() for part in parts)
+NO_LORA = "this engine serves no LoRA adapters: start it with enable_lora (--enable-lora)"
 
 
 @dataclass
@@ -41,112 +40,70 @@ class LoRAWeights:
 
 
 def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoRAWeights:
-    """A PEFT LoRA directory (adapter_config.json + adapter_model.safetensors) or a GGUF LoRA file,
-    checked against the model: ValueError naming what does not fit."""
+    """A PEFT LoRA directory, a GGUF LoRA file or a factors file (`save_factors`), read strictly
+    (`backends/adapter_files.py`) and checked against the model: ValueError naming what does not fit."""
     path = Path(path)
-    adapter = _read_gguf(path, config) if path.suffix == ".gguf" else _read_peft(path)
+    if path.suffix == ".safetensors":
+        adapter = _load_factors(path)
+    else:
+        factors = read_factors(path)
+        adapter = factors.modules
+        if factors.gguf_architecture == "llama":  # Q and K rows back from llama.cpp's interleaved RoPE order
+            for module, (a, b) in adapter.items():
+                if module.endswith(("q_proj", "k_proj")):
+                    heads = config.num_attention_heads if module.endswith("q_proj") else config.num_key_value_heads
+                    adapter[module] = (a, unpermute(b, heads))
     for module, (a, b) in adapter.items():
+        if module.rsplit(".", 1)[-1] not in TARGETS:
+            raise ValueError(f"target {module} is not supported (supported: {', '.join(TARGETS)})")
         rank = a.shape[0]
         if rank > max_rank:
-            raise ValueError(f"{path}: rank {rank} of {module} exceeds max_lora_rank {max_rank}")
+            raise ValueError(f"rank {rank} of {module} exceeds max_lora_rank {max_rank}")
+        if not _in_model(config, module):
+            raise ValueError(f"target {module} is not a layer of this model ({config.num_hidden_layers} layers)")
         expected_in, expected_out = _shape(config, module)
         if tuple(a.shape) != (rank, expected_in) or tuple(b.shape) != (expected_out, rank):
-            raise ValueError(f"{path}: {module} has factors {tuple(a.shape)} and {tuple(b.shape)}, this model "
+            raise ValueError(f"{module} has factors {tuple(a.shape)} and {tuple(b.shape)}, this model "
                              f"needs ({rank}, {expected_in}) and ({expected_out}, {rank})")
     if not adapter:
-        raise ValueError(f"{path}: no LoRA factors in the adapter's weights")
+        raise ValueError(f"{path.name}: no LoRA factors in the adapter's weights")
     return LoRAWeights(max(a.shape[0] for a, _ in adapter.values()), adapter)
 
 
-def _read_peft(directory: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """PEFT's factors by module, B scaled by `lora_alpha / r` (its per-module `alpha_pattern`, rsLoRA's
-    `/ sqrt(r)`), the settings this engine cannot apply refused by name."""
-    config_file = directory / "adapter_config.json"
-    if not config_file.is_file():
-        raise ValueError(f"{directory} is not a PEFT adapter directory (no adapter_config.json) nor a GGUF file")
-    spec = json.loads(config_file.read_text())
-    if spec.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"{directory}: peft_type {spec['peft_type']!r} is not LORA")
-    for key, refusal in (("use_dora", "DoRA"), ("modules_to_save", "modules_to_save (full layers)"),
-                         ("fan_in_fan_out", "fan_in_fan_out")):
-        if spec.get(key):
-            raise ValueError(f"{directory}: {refusal} is not supported")
-    if spec.get("bias", "none") != "none":
-        raise ValueError(f"{directory}: LoRA bias {spec['bias']!r} is not supported (only 'none')")
-    weights = _read_tensors(directory)
-    factors = {}
-    for key, a in weights.items():
-        if ".lora_A." not in key:
-            if ".lora_B." not in key:
-                raise ValueError(f"{directory}: tensor {key} is not a LoRA factor")
-            continue
-        module = key.split(".lora_A.")[0].removeprefix("base_model.model.")
-        b = weights.get(key.replace(".lora_A.", ".lora_B."))
-        if b is None:
-            raise ValueError(f"{directory}: {module} has lora_A but no lora_B")
-        if module.rsplit(".", 1)[-1] not in TARGETS:
-            raise ValueError(f"{directory}: target {module} is not supported (supported: {', '.join(TARGETS)})")
-        rank = a.shape[0]
-        alpha = _pattern(spec.get("alpha_pattern"), module, spec.get("lora_alpha", 8))
-        scaling = alpha / math.sqrt(rank) if spec.get("use_rslora") else alpha / rank
-        factors[module] = (a.float(), b.float() * scaling)
-    return factors
+def prepare_adapter(source: str, digest: str | None, config: ModelConfig, max_rank: int, out: str) -> None:
+    """Run in a sandbox (`backends/sandbox.py`): the adapter at `source` (its stored copy's bytes
+    verified against `digest` where it has one) read and checked against the model, then written
+    to `out` as a factors file, which the engine core loads without parsing anything of a tenant's."""
+    import torch
+
+    torch.set_num_threads(1)
+    if digest is not None:
+        verify(source, digest)
+    save_factors(read_adapter(source, config, max_rank), out)
 
 
-def _read_gguf(path: Path, config: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """llama.cpp's LoRA GGUF (`convert_lora_to_gguf.py`): `general.type` adapter, `adapter.type` lora,
-    tensors `<base tensor>.lora_a` [r, in] and `.lora_b` [out, r], Q and K's B rows in the base's
-    interleaved-RoPE order; scaled as llama.cpp's `build_lora_mm` scales them: `adapter.lora.alpha / r`,
-    or 1 without an alpha."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
+def save_factors(adapter: LoRAWeights, out: str | Path) -> None:
+    from safetensors.torch import save_file
 
-    reader = GGUFReader(path)
-    if gguf_field(reader, "general.type") != "adapter" or gguf_field(reader, "adapter.type") != "lora":
-        raise ValueError(f"{path} is not a GGUF LoRA adapter (general.type adapter, adapter.type lora)")
-    alpha = gguf_field(reader, "adapter.lora.alpha", 0.0)
-    architecture = gguf_field(reader, "general.architecture", "llama")
     tensors = {}
-    for tensor in reader.tensors:
-        array = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape.tolist())))
-        tensors[tensor.name] = torch.from_numpy(array.astype("float32"))
-    factors = {}
-    for name, a in tensors.items():
-        if not name.endswith(".lora_a"):
-            continue
-        base = name.removesuffix(".lora_a")
-        b = tensors.get(f"{base}.lora_b")
-        if b is None:
-            raise ValueError(f"{path}: {base} has lora_a but no lora_b")
-        try:
-            module = hf_name(base, architecture).removesuffix(".weight")
-        except (KeyError, ValueError):
-            raise ValueError(f"{path}: target {base} is not supported") from None
-        if module.rsplit(".", 1)[-1] not in TARGETS:
-            raise ValueError(f"{path}: target {module} is not supported (supported: {', '.join(TARGETS)})")
-        if architecture == "llama" and base.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = config.num_attention_heads if "attn_q" in base else config.num_key_value_heads
-            b = unpermute(b, heads)
-        factors[module] = (a, b * (alpha / a.shape[0] if alpha else 1.0))
-    return factors
+    for module, (a, b) in adapter.factors.items():
+        tensors[f"{module}.lora_A"], tensors[f"{module}.lora_B"] = a.contiguous(), b.contiguous()
+    save_file(tensors, str(out))
 
 
-def _read_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    if (directory / "adapter_model.safetensors").is_file():
-        from safetensors.torch import load_file
+def _load_factors(path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    from safetensors.torch import load_file
 
-        return load_file(directory / "adapter_model.safetensors")
-    if (directory / "adapter_model.bin").is_file():
-        return torch.load(directory / "adapter_model.bin", map_location="cpu", weights_only=True)
-    raise ValueError(f"{directory}: no adapter_model.safetensors or adapter_model.bin")
+    tensors = load_file(path)
+    return {key.removesuffix(".lora_A"): (a, tensors[key.removesuffix("A") + "B"])
+            for key, a in tensors.items() if key.endswith(".lora_A")}
 
 
-def _pattern(patterns: dict | None, module: str, default):
-    """PEFT's per-module override (`alpha_pattern`): the first key matching the module's name's end."""
-    for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
+def _in_model(config: ModelConfig, module: str) -> bool:
+    """`model.layers.<i>.<attention or MLP>.<projection>` with i a layer of this model."""
+    parts = module.split(".")
+    return (len(parts) == 5 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+            and int(parts[2]) < config.num_hidden_layers and ".".join(parts[3:]) in PROJECTIONS)
 
 
 def _shape(config: ModelConfig, module: str) -> tuple[int, int]:

@@ -13,7 +13,7 @@ from backends.builtin.core.sequence import Sequence
 from backends.builtin.worker import kernels
 from backends.builtin.worker.attention import AttentionMetadata, LayerKV
 from backends.builtin.worker.loader import LoadedModel
-from backends.builtin.worker.lora import LoRASlots, LoRAWeights, read_adapter
+from backends.builtin.worker.lora import NO_LORA, LoRASlots, LoRAWeights, read_adapter
 from backends.builtin.worker.models import model_weights
 from backends.builtin.worker.models.fused import FusedDecode
 from backends.builtin.worker.models.layers import CausalLM, Experts
@@ -216,7 +216,7 @@ class ModelRunner:
     def add_adapter(self, adapter_id: int, path: str) -> None:
         """An adapter's weights read and checked against the model (ValueError naming the misfit)."""
         if self.lora is None:
-            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora (--enable-lora)")
+            raise ValueError(NO_LORA)
         self.adapters[adapter_id] = read_adapter(path, self.config, self.max_lora_rank)
 
     def drop_adapter(self, adapter_id: int) -> None:
