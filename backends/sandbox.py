@@ -26,6 +26,10 @@ _context_lock = threading.Lock()
 _context = None
 
 
+class TimedOut(ValueError):
+    """The work did not finish in time: it may on a less loaded machine."""
+
+
 def _fork_server():
     global _context
     with _context_lock:
@@ -49,7 +53,7 @@ def run(work: Callable, args: tuple, *, what: str, timeout_s: float, memory_byte
     sender.close()
     try:
         if not receiver.poll(timeout_s):
-            raise ValueError(f"{what} took longer than {timeout_s:g} s and was stopped")
+            raise TimedOut(f"{what} took longer than {timeout_s:g} s and was stopped")
         try:
             kind, value = pickle.loads(receiver.recv_bytes())
         except EOFError:

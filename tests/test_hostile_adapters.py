@@ -209,6 +209,8 @@ async def test_hostile_adapters_answer_their_owner_4xx_while_another_tenants_str
         assert refused.status_code == 400 and "gate_proj" not in refused.text, refused.text
         assert re.search("cannot be served: target model.layers.0.mlp.[qkvo]_proj is not a layer of this model",
                          refused.json()["error"]["message"]), refused.text
+        again = await greedy(client, hostile, "wrong")  # answered from the first refusal, not read again
+        assert again.status_code == 400 and again.json()["error"]["message"] == refused.json()["error"]["message"]
         lines = await streaming
         assert lines[-1] == "data: [DONE]" and '"finish_reason":"length"' in lines[-2], lines[-2:]
         assert text(await greedy(client, victim, "tiny"))

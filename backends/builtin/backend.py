@@ -59,6 +59,7 @@ SUPERVISE_S = 0.5  # how often the engine core's life is checked
 RESTART_WINDOW_S, MAX_RESTARTS = 60.0, 3  # a core that dies more often than this is left down
 ADAPTER_READ_TIMEOUT_S = 120.0
 ADAPTER_READ_MEMORY_BYTES = 8 << 30  # beyond the reader's own start: a few copies of a large adapter
+REFUSALS_KEPT = 1024  # adapters (by their files' digest) whose refusal is answered without reading them again
 REASONING_EFFORTS = ("low", "medium", "high")  # gpt-oss's, which vLLM takes
 TOKENIZER_THREADS = 2  # templating and tokenizing run here, off the event loop; more requests wait their turn
 
@@ -92,6 +93,7 @@ class BuiltinBackend(Backend):
         self.model_config: ModelConfig | None = None  # what adapters are checked against
         # Adapters loaded at run time, with the factors file each was read into (a restarted core reloads them).
         self._loaded: dict[str, tuple[Adapter, Path]] = {}
+        self._refused: dict[Adapter, str] = {}  # why adapters failed to read, oldest first
         self._factors_dir: Path | None = None  # made at the first load
         self._supervisor: asyncio.Task | None = None
 
@@ -398,6 +400,8 @@ class BuiltinBackend(Backend):
             return
         if not self.config.enable_lora:
             raise InvalidRequest(NO_LORA, param="model")
+        if (refusal := self._refused.get(adapter)) is not None and adapter.digest is not None:
+            raise InvalidRequest(refusal, param="model")  # the same bytes fail the same way: not read again
         self._factors_dir = self._factors_dir or Path(tempfile.mkdtemp(prefix=f"servegate-{self.name}-lora-"))
         factors = self._factors_dir / f"{uuid.uuid4().hex}.safetensors"
         try:
@@ -405,7 +409,12 @@ class BuiltinBackend(Backend):
                                     self.config.max_lora_rank, str(factors)), what="reading the adapter",
                                     timeout_s=ADAPTER_READ_TIMEOUT_S, memory_bytes=ADAPTER_READ_MEMORY_BYTES)
         except ValueError as exc:
-            raise InvalidRequest(f"the LoRA adapter {adapter.name!r} cannot be served: {exc}", param="model") from None
+            refusal = f"the LoRA adapter {adapter.name!r} cannot be served: {exc}"
+            if not isinstance(exc, sandbox.TimedOut):
+                self._refused[adapter] = refusal
+                while len(self._refused) > REFUSALS_KEPT:
+                    del self._refused[next(iter(self._refused))]
+            raise InvalidRequest(refusal, param="model") from None
         await front.command(LoadAdapter(f"load-{uuid.uuid4().hex}", adapter.name, str(factors)))
         self.adapters[adapter.name] = adapter.path
         self._loaded[adapter.name] = (adapter, factors)
