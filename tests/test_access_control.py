@@ -11,6 +11,8 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from gateway.tenancy import auth
+
 from .conftest import bearer, gateway_app, openai_upstream, serve_app
 from .upstreams import admin, answer, gateway_over, tenant_with_key
 
@@ -74,10 +76,9 @@ def test_a_key_made_with_the_cli_works_at_its_first_request(tmp_path, monkeypatc
         assert first.status_code == 200, first.text
 
         # Garbage keys cost the database one lookup per refresh interval, not one per request.
-        directory = gw.gateway.directory
         lookups = []
-        read = directory._read_key
-        monkeypatch.setattr(directory, "_read_key", lambda prefix: lookups.append(prefix) or read(prefix))
+        read = auth._read_key
+        monkeypatch.setattr(auth, "_read_key", lambda engine, prefix: lookups.append(prefix) or read(engine, prefix))
         garbage = key[:-4] + "xxxx"
         fake = "sg_0badf00d_" + "x" * 43
         answers = [httpx.get(gw.url + "/v1/models", headers=bearer(k)).status_code for k in [garbage, fake] * 5]
