@@ -100,7 +100,7 @@ class LargeBodyGate:
 
 def create_app(backends: dict[str, Backend], settings: Settings | None = None, db: Engine | None = None,
                tracer_provider: TracerProvider | None = None,
-               when_unservable: Callable[[], None] | None = None) -> FastAPI:
+               when_unservable: Callable[[], None] | None = None, freeze_gc: bool = False) -> FastAPI:
     """An app serving `backends` (served model id -> backend) to the tenants in the database.
     Backends start in the background, so probes answer at once and /ready turns 200 when
     they are loaded; one that fails is named in /ready's body and the log, and once none is left to
@@ -117,7 +117,8 @@ def create_app(backends: dict[str, Backend], settings: Settings | None = None, d
         async def start(name: str, backend: Backend) -> None:
             try:
                 await backend.start()
-                gc.freeze()  # what start-up made lives on: full collections no longer walk it (pauses of 100s of ms)
+                if freeze_gc:  # what start-up made lives on: full collections no longer walk it (pauses of 100s of ms)
+                    gc.freeze()
             except Exception as exc:
                 gateway.failed_to_start[name] = f"{name}: {exc}"
                 if isinstance(exc, (OSError, ValueError)):  # the model's own fault: its message says it all

@@ -180,7 +180,8 @@ def serve(
     if key and not settings.admin_key:
         typer.echo(f"Created tenant `default` and an operator key (shown once, store it now):\n{key}", err=True)
     # uvicorn's access log is off: every inference request gets its own JSON line with richer fields.
-    app = create_app(backends, settings, db, when_unservable=lambda: setattr(server, "should_exit", True))
+    app = create_app(backends, settings, db, when_unservable=lambda: setattr(server, "should_exit", True),
+                     freeze_gc=True)  # this process is the server's alone
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=None,
                                            access_log=False))
     server.run()
