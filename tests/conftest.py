@@ -4,6 +4,8 @@ gateway apps on a fresh database."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 import json
 import os
 import socket
@@ -20,6 +22,16 @@ from backends.builtin.worker.loader import default_model_path, gguf_to_hf_dir, l
 from backends.launch import free_port  # noqa: F401  (the tests import it from here)
 
 _engines: list[LLMEngine] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _memory_returned_after_each_module():
+    """Each module's engines and gateways, once torn down, are collected and their heap handed back
+    to the system: one process runs the whole suite beside vLLM's servers on a 24 GiB machine."""
+    yield
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 @pytest.fixture(scope="session")
